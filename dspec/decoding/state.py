@@ -1,0 +1,71 @@
+"""Loop state of AR and speculative decoding (a pytree carried by `lax.while_loop`)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax.numpy as jnp
+from flax import struct
+
+from dspec.models.kv_cache import KVCache
+
+
+class DraftContext(NamedTuple):
+  """Read-only view of the committed sequence handed to drafters.
+
+  tokens_BL: prompt + generated tokens; num_tokens_B: how many are committed. The last
+  committed token is the anchor; the target cache holds positions < num_tokens_B - 1.
+  """
+
+  tokens_BL: jnp.ndarray
+  num_tokens_B: jnp.ndarray
+  sampling: Any = None          # SamplingSpec (static), for drafters that sample
+  temperature: Any = None
+  top_p: Any = None
+
+
+class Proposal(NamedTuple):
+  """γ draft tokens per row, how many of them are real, and their proposal probs.
+
+  q_BGV=None means argmax/deterministic proposals (one-hot q in rejection sampling).
+  """
+
+  tokens_BG: jnp.ndarray
+  num_proposed_B: jnp.ndarray
+  q_BGV: Optional[jnp.ndarray] = None
+
+
+@struct.dataclass
+class DecodeStats:
+  """Per-row counters from which every DESIGN §9 metric is derived."""
+
+  steps_B: jnp.ndarray              # verify steps taken while the row was live
+  accept_hist_BG1: jnp.ndarray      # histogram of accepted drafts per step (0..γ)
+  proposed_B: jnp.ndarray           # draft tokens proposed (excludes empty slots)
+  accepted_B: jnp.ndarray           # draft tokens accepted
+
+  @classmethod
+  def zeros(cls, batch: int, gamma: int) -> 'DecodeStats':
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(z, jnp.zeros((batch, gamma + 1), jnp.int32), z, z)
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything one decoding loop carries; static knobs live in the engine."""
+
+  tokens_BL: jnp.ndarray        # prompt + generated tokens
+  num_tokens_B: jnp.ndarray     # committed tokens per row
+  prompt_len_B: jnp.ndarray
+  done_B: jnp.ndarray
+  cache: KVCache                # target cache: holds positions < num_tokens_B - 1
+  drafter_state: Any
+  key: jnp.ndarray
+  step: jnp.ndarray             # scalar loop counter
+  temperature: jnp.ndarray      # runtime sampling values (no recompiles)
+  top_p: jnp.ndarray
+  max_new_tokens: jnp.ndarray   # scalar
+  stats: DecodeStats
+
+  def generated_B(self):
+    return self.num_tokens_B - self.prompt_len_B

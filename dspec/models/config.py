@@ -1,0 +1,68 @@
+"""Frozen configuration of the target transformer (Llama / Qwen3 family)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Static shape and numerics of a Llama/Qwen3-style decoder.
+
+  Hashable, so it can sit inside static jit arguments.
+  """
+
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  qk_norm: bool = False          # Qwen3 per-head RMSNorm on q and k.
+  tie_embeddings: bool = False
+  dtype: str = 'float32'         # Compute dtype; params are kept in param_dtype.
+  param_dtype: str = 'float32'
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads={self.num_heads} is not a multiple of '
+          f'num_kv_heads={self.num_kv_heads}')
+    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
+                 'num_kv_heads', 'head_dim', 'mlp_dim'):
+      if getattr(self, name) <= 0:
+        raise ValueError(f'{name} must be positive, got {getattr(self, name)}')
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def params_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def num_params(self) -> int:
+    """Parameter count (embedding counted once when tied)."""
+    d, f, l = self.embed_dim, self.mlp_dim, self.num_layers
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    if self.qk_norm:
+      per_layer += 2 * self.head_dim
+    head = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + l * per_layer + d + head
+
+  @classmethod
+  def from_dict(cls, d: dict) -> 'TransformerConfig':
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - fields
+    if unknown:
+      raise ValueError(f'unknown model config keys: {sorted(unknown)}')
+    return cls(**d)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)

@@ -1,0 +1,100 @@
+"""The target LM: a Llama/Qwen3-family decoder in Flax NNX with a static KV cache."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspec.models.config import TransformerConfig
+from dspec.models.kv_cache import KVCache
+from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
+
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+class TargetOutput(NamedTuple):
+  """What one target forward returns.
+
+  taps_BTND stacks the residual-stream outputs (before the final norm) of the requested
+  layers along axis 2, in the order requested; hidden_BTD is the post-final-norm hidden.
+  """
+
+  logits_BTV: Optional[jnp.ndarray]
+  hidden_BTD: jnp.ndarray
+  taps_BTND: jnp.ndarray
+  cache: Optional[KVCache]
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. Parameter names follow HF so import is a rename-free mapping."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Param(
+        _EMBED_INIT(rngs.params(), (cfg.vocab_size, cfg.embed_dim), cfg.params_dtype))
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.params_dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Param(
+          _EMBED_INIT(rngs.params(), (cfg.embed_dim, cfg.vocab_size), cfg.params_dtype))
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    c = self.cfg
+    return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
+                         c.compute_dtype)
+
+  def embed(self, tokens_BT):
+    return jnp.take(self.embed_tokens.value, tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+
+  def logits(self, hidden_BTD):
+    """Head over post-norm hidden states, in fp32."""
+    if self.cfg.tie_embeddings:
+      w_DV = self.embed_tokens.value.T
+    else:
+      w_DV = self.lm_head.value
+    return jnp.einsum('btd,dv->btv', hidden_BTD, w_DV.astype(hidden_BTD.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_BT, *, cache: Optional[KVCache] = None, positions_BT=None,
+               taps: Sequence[int] = (), compute_logits: bool = True) -> TargetOutput:
+    """Runs the decoder.
+
+    With `cache`, tokens sit at positions `cache.lengths_B + t`: their K/V are written there
+    and each query attends to every cached position <= its own. `cache.lengths_B` is left
+    unchanged; the caller commits (advances) lengths. Without a cache it is a full causal
+    forward over `positions_BT` (default 0..T-1).
+    """
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      start = cache.lengths_B[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
+      positions_BT = start + jnp.arange(t, dtype=jnp.int32)[None, :]
+    sin, cos = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+    if cache is not None:
+      mask_BTS = jnp.arange(cache.max_len)[None, None, :] <= positions_BT[:, :, None]
+    else:
+      mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
+
+    x = self.embed(tokens_BT)
+    tapped = {}
+    for i, layer in enumerate(self.layers):
+      if cache is None:
+        kv_fn = lambda k, v: (k, v, mask_BTS)
+      else:
+        def kv_fn(k, v, i=i):
+          nonlocal cache
+          cache = cache.write(i, k, v, positions_BT)
+          return cache.k_LBSKD[i], cache.v_LBSKD[i], mask_BTS
+      x = layer(x, sin, cos, kv_fn)
+      if i in taps:
+        tapped[i] = x
+    for i in taps:
+      if not 0 <= i < self.cfg.num_layers:
+        raise ValueError(f'tap layer {i} out of range for {self.cfg.num_layers} layers')
+    taps_BTND = (jnp.stack([tapped[i] for i in taps], axis=2) if taps
+                 else jnp.zeros((b, t, 0, self.cfg.embed_dim), x.dtype))
+    hidden = self.norm(x)
+    logits = self.logits(hidden) if compute_logits else None
+    return TargetOutput(logits, hidden, taps_BTND, cache)
