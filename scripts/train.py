@@ -1,0 +1,34 @@
+"""Train a target LM or a drafter: python scripts/train.py --config=configs/<x>.py.
+
+The config's `training.task` picks the objective (target | mtp | dflash | bd3lm); runs are
+resumable: rerunning the same command continues from the latest checkpoint in --workdir.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from dspec import cli  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output dir (default: training.workdir '
+                               'or runs/<config name>).')
+
+
+def main(argv):
+  del argv
+  from dspec.training import tasks  # heavy imports after flag parsing
+  cfg = _CONFIG.value
+  workdir = _WORKDIR.value or cfg.training.workdir or os.path.join(
+      'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
+  result = tasks.run_training(cfg, workdir)
+  print(f'training done: {result["steps"]} steps this run; workdir={workdir}')
+
+
+if __name__ == '__main__':
+  cli.run(main)

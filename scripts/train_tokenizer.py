@@ -1,0 +1,51 @@
+"""Train the demo target's byte-level BPE tokenizer on Python stdlib + GSM8K train text.
+
+  python scripts/train_tokenizer.py --out_dir=demo/tokenizer --vocab_size=8192
+
+Writes OUT_DIR/tokenizer.json and OUT_DIR/tokenizer_config.json (`<|endoftext|>` = id 0 is
+EOS, `<|mask|>` = id 1 is the spare DFlash MASK id). Only the training split of each corpus is
+used; documents are taken in a fixed hash order up to --max_chars, so the result is
+deterministic.
+"""
+
+import hashlib
+
+from absl import app, flags
+
+from dspec.tokenizer import train_byte_level_bpe
+from dspec.training.corpus import DEFAULT_HELDOUT_FRACTION, load_corpus, split_documents
+
+_OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory to write the tokenizer files to.',
+                               required=True)
+_VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8192, 'Vocabulary size, special tokens included.')
+_DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data',
+                                'Folder holding gsm8k/ (relative paths: cwd, then project root).')
+_MAX_CHARS = flags.DEFINE_integer('max_chars', 30_000_000,
+                                  'Stop adding documents once this many characters are taken.')
+_CORPORA = ('python_stdlib', 'gsm8k')
+
+
+def main(argv):
+  del argv
+  try:
+    docs = [doc for name in _CORPORA
+            for doc in split_documents(load_corpus(name, _DATA_DIR.value),
+                                       DEFAULT_HELDOUT_FRACTION, 'train')]
+  except FileNotFoundError as e:
+    raise SystemExit(f'error: {e}') from None
+  docs.sort(key=lambda doc: hashlib.sha256(doc.id.encode('utf-8')).digest())
+  texts, total_chars = [], 0
+  for doc in docs:
+    if total_chars >= _MAX_CHARS.value:
+      break
+    texts.append(doc.text)
+    total_chars += len(doc.text)
+  try:
+    tokenizer = train_byte_level_bpe(texts, _VOCAB_SIZE.value, _OUT_DIR.value)
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  print(f'trained on {len(texts)} documents, {total_chars:,} chars -> {tokenizer}')
+
+
+if __name__ == '__main__':
+  app.run(main)
