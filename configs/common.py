@@ -52,6 +52,7 @@ def model_config(preset: str) -> ml_collections.ConfigDict:
       'path': '',             # checkpoint dir (source=checkpoint) or HF dir (source=hf)
       'tokenizer_dir': '',    # dir with tokenizer.json; '' -> next to the weights, else bytes
       'seed': 0,
+      'max_seq_len': 4096,    # prompt + max_new_tokens must fit
       'shape': dict(MODEL_PRESETS[preset]),
   })
 

@@ -21,7 +21,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (self.weight.value.astype(jnp.float32) * x32).astype(x.dtype)
+    return (self.weight[...].astype(jnp.float32) * x32).astype(x.dtype)
 
 
 def rope_tables(positions_BT, head_dim: int, theta: float):

@@ -47,14 +47,14 @@ class Transformer(nnx.Module):
                          c.compute_dtype)
 
   def embed(self, tokens_BT):
-    return jnp.take(self.embed_tokens.value, tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+    return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
 
   def logits(self, hidden_BTD):
     """Head over post-norm hidden states, in fp32."""
     if self.cfg.tie_embeddings:
-      w_DV = self.embed_tokens.value.T
+      w_DV = self.embed_tokens[...].T
     else:
-      w_DV = self.lm_head.value
+      w_DV = self.lm_head[...]
     return jnp.einsum('btd,dv->btv', hidden_BTD, w_DV.astype(hidden_BTD.dtype),
                       preferred_element_type=jnp.float32)
 

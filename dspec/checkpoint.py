@@ -1,0 +1,354 @@
+"""Orbax checkpoints: model weights with JSON metadata, and resumable training state.
+
+A checkpoint written by `save_tree` is one directory holding two orbax items:
+
+  PATH/state/      the array pytree (PyTree handler, OCDBT)
+  PATH/metadata/   a JSON object (kind, config, ...)
+
+Orbax writes both into a temporary sibling directory and renames it to PATH only once every
+file is complete, so an interrupted save leaves no PATH (only a `*.orbax-checkpoint-tmp*`
+folder, which `load_tree` refuses). `TrainCheckpointer` keeps numbered steps of the same
+two items under one directory for resumable training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+from dspec.models.config import TransformerConfig
+from dspec.models.transformer import Transformer
+
+FORMAT_VERSION = 1
+STORAGE_DTYPES = ('float32', 'bfloat16')
+_STATE_ITEM = 'state'
+_METADATA_ITEM = 'metadata'
+_TMP_MARKER = '.orbax-checkpoint-tmp'
+
+
+class CheckpointError(Exception):
+  """A checkpoint is missing, incomplete, corrupt or does not fit what is asked of it."""
+
+
+def _first_line(err: BaseException) -> str:
+  text = str(err).strip().splitlines()
+  line = text[0] if text else type(err).__name__
+  return line if len(line) <= 300 else line[:297] + '...'
+
+
+def _as_path(path) -> epath.Path:
+  """Absolute path (orbax needs one); URLs such as gs://... are kept as they are."""
+  path = os.fspath(path)
+  return epath.Path(path if '://' in path else os.path.abspath(path))
+
+
+def _key_name(key) -> str:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def leaf_paths(tree) -> dict[str, Any]:
+  """Flattens a pytree to {'a.b.0.c': leaf}; dict keys, attributes and indices alike."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {'.'.join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def _shape(leaf) -> tuple:
+  return tuple(leaf.shape) if hasattr(leaf, 'shape') else np.shape(leaf)
+
+
+def _check_against(path, stored_tree, abstract_tree) -> None:
+  """Raises CheckpointError at the first leaf whose presence or shape differs."""
+  stored = leaf_paths(stored_tree)
+  wanted = leaf_paths(abstract_tree)
+  for name, leaf in wanted.items():
+    if name not in stored:
+      raise CheckpointError(f'{path}: leaf {name!r} (shape {_shape(leaf)}) is not in '
+                            'the checkpoint')
+    if _shape(stored[name]) != _shape(leaf):
+      raise CheckpointError(
+          f'{path}: leaf {name!r} has shape {_shape(stored[name])} in the checkpoint '
+          f'but {_shape(leaf)} is expected')
+  extra = sorted(set(stored) - set(wanted))
+  if extra:
+    raise CheckpointError(f'{path}: checkpoint has leaf {extra[0]!r} that the expected tree '
+                          f'lacks ({len(extra)} extra leaves)')
+
+
+def _item_handlers() -> dict:
+  return {_STATE_ITEM: ocp.PyTreeCheckpointHandler(),
+          _METADATA_ITEM: ocp.JsonCheckpointHandler()}
+
+
+class _AbortedReadLogFilter(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' records about one checkpoint."""
+
+  def __init__(self, where: str):
+    super().__init__()
+    self.where = where
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (str(record.msg).startswith('Task exception was never retrieved')
+                and exc is not None and self.where in str(exc))
+
+
+def _silence_aborted_reads(where) -> None:
+  """Mutes the noise orbax leaves behind after a failed read of checkpoint `where`.
+
+  When one tensorstore read fails, orbax closes its asyncio loop while sibling reads are in
+  flight: their callbacks raise 'Event loop is closed' into `sys.unraisablehook`, and their
+  unretrieved task errors reach the `asyncio` logger, long after our one-line error. Only
+  exactly those are filtered; everything else passes through.
+  """
+  logging.getLogger('asyncio').addFilter(_AbortedReadLogFilter(str(where)))
+  previous = sys.unraisablehook
+  if getattr(previous, 'dspec_filter', False):
+    return
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous(unraisable)
+
+  hook.dspec_filter = True
+  sys.unraisablehook = hook
+
+
+def _corrupt(where, err: BaseException) -> CheckpointError:
+  _silence_aborted_reads(where)
+  return CheckpointError(f'{where}: corrupt or incomplete checkpoint ({_first_line(err)})')
+
+
+def _stored_tree(where, step_metadata_fn):
+  """The saved array-metadata tree (shapes, dtypes) of the `state` item."""
+  try:
+    item = step_metadata_fn().item_metadata[_STATE_ITEM]
+  except Exception as e:  # orbax/tensorstore raise many types; report them all alike.
+    raise _corrupt(where, e) from e
+  if item is None:
+    raise CheckpointError(f'{where}: corrupt or incomplete checkpoint (no array index in '
+                          f'{_STATE_ITEM}/)')
+  return item.tree
+
+
+def _checkpointer() -> ocp.Checkpointer:
+  return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_item_handlers()))
+
+
+def _numpy_restore_args(tree):
+  return jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+
+
+def _check_complete(path: epath.Path) -> None:
+  if _TMP_MARKER in path.name:
+    raise CheckpointError(f'{path}: this is an unfinished (interrupted) save, not a checkpoint')
+  if not path.exists():
+    raise CheckpointError(f'{path}: no checkpoint here (the directory does not exist)')
+  if not path.is_dir():
+    raise CheckpointError(f'{path}: not a checkpoint directory')
+  for item in (_STATE_ITEM, _METADATA_ITEM):
+    if not (path / item).is_dir():
+      raise CheckpointError(f'{path}: incomplete checkpoint (no {item}/ inside)')
+
+
+def _read_metadata(path: epath.Path) -> dict:
+  """Validates the directory layout and returns the JSON metadata."""
+  _check_complete(path)
+  try:
+    restored = _checkpointer().restore(
+        path, args=ocp.args.Composite(**{_METADATA_ITEM: ocp.args.JsonRestore()}))
+    metadata = restored[_METADATA_ITEM]
+  except Exception as e:  # orbax/json raise many types; report them all alike.
+    raise CheckpointError(f'{path}: unreadable checkpoint metadata ({_first_line(e)})') from e
+  if not isinstance(metadata, dict):
+    raise CheckpointError(f'{path}: checkpoint metadata is not a JSON object')
+  return metadata
+
+
+def save_tree(path, tree, metadata: dict, *, force: bool = False) -> None:
+  """Writes a pytree of arrays and a JSON-serialisable `metadata` dict to directory `path`.
+
+  The write is atomic (temporary directory, then rename). An existing `path` is replaced
+  only with `force=True` (it is deleted before the new one is written); otherwise
+  CheckpointError.
+  """
+  path = _as_path(path)
+  if _TMP_MARKER in path.name:
+    raise CheckpointError(f'{path}: checkpoint names may not contain {_TMP_MARKER!r}')
+  if path.exists() and not force:
+    raise CheckpointError(f'{path}: already exists (pass force=True to overwrite)')
+  try:
+    json.dumps(metadata)
+  except TypeError as e:
+    raise CheckpointError(f'{path}: metadata is not JSON-serialisable ({e})') from e
+  _checkpointer().save(
+      path, force=force,
+      args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree),
+                                 _METADATA_ITEM: ocp.args.JsonSave(metadata)}))
+
+
+def load_tree(path, abstract_tree=None) -> tuple[Any, dict]:
+  """Restores `(tree, metadata)` from a `save_tree` directory as host (numpy) arrays.
+
+  Leaves keep their stored dtype. Without `abstract_tree` the tree comes back as nested
+  dicts with string keys; with it, the tree takes its structure, and any missing, extra or
+  mis-shaped leaf raises CheckpointError. Needs no devices or shardings of the writer.
+  """
+  path = _as_path(path)
+  metadata = _read_metadata(path)
+  checkpointer = _checkpointer()
+  stored = _stored_tree(path, lambda: checkpointer.metadata(path))
+  if abstract_tree is not None:
+    _check_against(path, stored, abstract_tree)
+  target = stored if abstract_tree is None else abstract_tree
+  restore = ocp.args.PyTreeRestore(
+      item=abstract_tree, restore_args=_numpy_restore_args(target))
+  try:
+    restored = checkpointer.restore(path, args=ocp.args.Composite(**{_STATE_ITEM: restore}))
+  except Exception as e:
+    raise _corrupt(path, e) from e
+  return restored[_STATE_ITEM], metadata
+
+
+def save_model(path, model: nnx.Module, *, kind: str, config: dict,
+               storage_dtype: str = 'float32', extra: Optional[dict] = None,
+               force: bool = False) -> None:
+  """Saves a module's `nnx.Param`s (floats cast to `storage_dtype`) with its config.
+
+  `kind` names the model family ('target', 'mtp', 'dflash', ...) and is checked on load.
+  """
+  if storage_dtype not in STORAGE_DTYPES:
+    raise ValueError(f'storage_dtype must be one of {STORAGE_DTYPES}, got {storage_dtype!r}')
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = jax.tree.map(
+      lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      params)
+  metadata = dict(kind=kind, config=config, storage_dtype=storage_dtype, extra=extra or {},
+                  dspec_format_version=FORMAT_VERSION)
+  save_tree(path, params, metadata, force=force)
+
+
+def _check_model_metadata(path, metadata: dict, kind: str) -> None:
+  version = metadata.get('dspec_format_version')
+  if not isinstance(version, int) or version > FORMAT_VERSION:
+    raise CheckpointError(f'{path}: unsupported dspec_format_version {version!r} '
+                          f'(this dspec reads <= {FORMAT_VERSION})')
+  if metadata.get('kind') != kind:
+    raise CheckpointError(f'{path}: checkpoint holds a {metadata.get("kind")!r} model, '
+                          f'expected {kind!r}')
+
+
+def load_model_state(path, model: nnx.Module, kind: str) -> dict:
+  """Restores saved params into `model` (abstract or concrete) in place; returns metadata.
+
+  Each param is cast to the dtype the module declares for it.
+  """
+  path = _as_path(path)
+  _check_model_metadata(path, _read_metadata(path), kind)
+  state = nnx.state(model, nnx.Param)
+  abstract = nnx.to_pure_dict(state)
+  restored, metadata = load_tree(path, abstract)
+  params = jax.tree.map(lambda x, ref: jnp.asarray(x, dtype=ref.dtype), restored, abstract)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return metadata
+
+
+def load_target(path) -> tuple[Transformer, dict]:
+  """Loads a `kind='target'` checkpoint into a new Transformer; returns (model, metadata)."""
+  path = _as_path(path)
+  metadata = _read_metadata(path)
+  _check_model_metadata(path, metadata, 'target')
+  try:
+    cfg = TransformerConfig.from_dict(metadata['config'])
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f'{path}: bad target config in metadata ({_first_line(e)})') from e
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  load_model_state(path, model, 'target')
+  return model, metadata
+
+
+class TrainCheckpointer:
+  """Numbered training checkpoints (params, optax state, step, ...) under one directory.
+
+  A thin wrapper over `ocp.CheckpointManager`: saves are asynchronous (call `wait()` before
+  reading them back or exiting), only the newest `max_to_keep` steps are kept, and
+  unfinished saves are never listed.
+  """
+
+  def __init__(self, directory, *, max_to_keep: int = 3):
+    self.directory = _as_path(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        item_handlers=_item_handlers())
+
+  def save(self, step: int, tree, metadata: dict) -> None:
+    """Starts saving `tree` and `metadata` as `step` (returns before the write finishes)."""
+    self._manager.save(step, args=ocp.args.Composite(
+        **{_STATE_ITEM: ocp.args.PyTreeSave(tree),
+           _METADATA_ITEM: ocp.args.JsonSave(metadata)}))
+
+  def latest_step(self) -> Optional[int]:
+    """Newest finished step, or None when there is none."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Finished steps still on disk, oldest first."""
+    return list(self._manager.all_steps())
+
+  def restore(self, step: int, abstract_tree) -> tuple[Any, dict]:
+    """Restores `(tree, metadata)` of `step` in the structure of `abstract_tree`.
+
+    Leaves with a sharding (jax.Array, or ShapeDtypeStruct with `sharding`) are restored
+    with it; others come back as numpy arrays. Dtypes follow `abstract_tree`.
+    """
+    where = self.directory / str(step)
+    if step not in self._manager.all_steps():
+      raise CheckpointError(f'{where}: no finished checkpoint for step {step} '
+                            f'(have {self.all_steps()})')
+    stored = _stored_tree(where, lambda: self._manager.metadata(step))
+    _check_against(where, stored, abstract_tree)
+    restore = ocp.args.PyTreeRestore(item=abstract_tree,
+                                     restore_args=jax.tree.map(_restore_arg, abstract_tree))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          **{_STATE_ITEM: restore, _METADATA_ITEM: ocp.args.JsonRestore()}))
+    except Exception as e:
+      raise _corrupt(where, e) from e
+    return restored[_STATE_ITEM], restored[_METADATA_ITEM]
+
+  def wait(self) -> None:
+    """Blocks until pending saves are on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the manager."""
+    self._manager.close()
+
+  def __enter__(self) -> 'TrainCheckpointer':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _restore_arg(leaf):
+  sharding = getattr(leaf, 'sharding', None)
+  if sharding is not None:
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape),
+                                dtype=leaf.dtype)
+  return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)

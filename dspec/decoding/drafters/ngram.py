@@ -1,0 +1,68 @@
+"""Prompt lookup / n-gram drafting, entirely on device.
+
+The last n committed tokens (n = max_n down to min_n, largest first) are searched for in
+prompt + output; the most recent earlier occurrence wins and the tokens that followed it are
+proposed (at most `num_draft`, and only tokens already committed). No match: no proposal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+import jax.numpy as jnp
+
+from dspec.decoding.state import Proposal
+
+
+def _latest_match(tokens_BL, num_tokens_B, n: int):
+  """End index p (exclusive) of the latest occurrence of the last n tokens, or -1."""
+  b, length = tokens_BL.shape
+  rows = jnp.arange(b)[:, None]
+  p_P = jnp.arange(length)[None, :]
+  match = jnp.ones((b, length), bool)
+  for k in range(n):
+    suffix_tok = tokens_BL[jnp.arange(b), jnp.clip(num_tokens_B - n + k, 0, length - 1)]
+    window_tok = tokens_BL[rows, jnp.clip(p_P - n + k, 0, length - 1)]
+    match &= window_tok == suffix_tok[:, None]
+  valid = match & (p_P >= n) & (p_P < num_tokens_B[:, None]) & (num_tokens_B[:, None] > n)
+  return jnp.max(jnp.where(valid, p_P, -1), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+  """Prompt-lookup decoding (Saxena 2023; vLLM `ngram`) with a configurable n range."""
+
+  num_draft: int = 8
+  min_n: int = 1
+  max_n: int = 4
+  taps: Tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not 1 <= self.min_n <= self.max_n:
+      raise ValueError(f'ngram needs 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}')
+    if self.num_draft < 1:
+      raise ValueError(f'ngram draft_len must be >= 1, got {self.num_draft}')
+
+  def init(self, params, target, ctx, prefill_out):
+    return ()
+
+  def propose(self, params, state, target, ctx, key):
+    tokens_BL, num_tokens_B = ctx.tokens_BL, ctx.num_tokens_B
+    b, length = tokens_BL.shape
+    best_B = jnp.full((b,), -1, jnp.int32)
+    for n in range(self.max_n, self.min_n - 1, -1):
+      found_B = _latest_match(tokens_BL, num_tokens_B, n)
+      best_B = jnp.where(best_B >= 0, best_B, found_B)
+    j = jnp.arange(self.num_draft)[None, :]
+    idx_BG = jnp.clip(best_B[:, None] + j, 0, length - 1)
+    draft_BG = tokens_BL[jnp.arange(b)[:, None], idx_BG]
+    num_B = jnp.where(best_B >= 0,
+                      jnp.clip(num_tokens_B - best_B, 0, self.num_draft), 0)
+    return Proposal(draft_BG.astype(jnp.int32), num_B.astype(jnp.int32))
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return state
+
+  def check_target(self, target_cfg):
+    return None

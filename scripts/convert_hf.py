@@ -1,0 +1,59 @@
+"""Convert a Hugging Face Llama / Qwen3 model directory into a dspec target checkpoint.
+
+  python scripts/convert_hf.py --hf_dir=PATH/Qwen3-0.6B --out=ckpt/qwen3-0.6b \
+      [--storage_dtype=bfloat16] [--force]
+
+Reads config.json + safetensors (single or sharded), writes an orbax checkpoint with
+`kind='target'` (load it with `dspec.checkpoint.load_target`), and copies the tokenizer files
+(tokenizer.json, tokenizer_config.json, generation_config.json, special_tokens_map.json)
+when the source has them. Bad input prints one `error: ...` line and exits with status 1.
+"""
+
+import os
+import shutil
+import sys
+
+from absl import app, flags, logging
+
+from dspec.checkpoint import CheckpointError, save_model
+from dspec.hf_import import load_hf_model, read_hf_config
+
+_HF_DIR = flags.DEFINE_string('hf_dir', None, 'Hugging Face model directory.', required=True)
+_OUT = flags.DEFINE_string('out', None, 'Checkpoint directory to write.', required=True)
+_STORAGE_DTYPE = flags.DEFINE_enum('storage_dtype', 'float32', ['float32', 'bfloat16'],
+                                   'Dtype the weights are stored in.')
+_FORCE = flags.DEFINE_boolean('force', False, 'Overwrite an existing --out directory.')
+
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json',
+                   'special_tokens_map.json')
+
+
+def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
+  """Loads `hf_dir`, saves it as a dspec target checkpoint at `out` with its tokenizer."""
+  hf_config = read_hf_config(hf_dir)
+  model, cfg = load_hf_model(hf_dir)
+  save_model(out, model, kind='target', config=cfg.to_dict(), storage_dtype=storage_dtype,
+             extra={'hf_model_type': hf_config['model_type'],
+                    'hf_source': os.path.abspath(hf_dir)},
+             force=force)
+  if os.path.exists(os.path.join(hf_dir, 'tokenizer.json')):
+    for name in TOKENIZER_FILES:
+      if os.path.exists(os.path.join(hf_dir, name)):
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+  print(f'wrote {out}: {cfg.num_params():,} params ({hf_config["model_type"]}, '
+        f'{storage_dtype})')
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  try:
+    convert(_HF_DIR.value, _OUT.value, _STORAGE_DTYPE.value, _FORCE.value)
+  except (ValueError, OSError, CheckpointError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,57 @@
+"""Decode with a target and a drafter: python scripts/decode.py --config=configs/<x>.py.
+
+Prints the generated text and one metrics line; `--metrics_json=PATH` writes every
+DESIGN §8 key (method, temperature, new_tokens, tau, acceptance_rate,
+per_position_acceptance, tokens_per_s, ar_tokens_per_s, speedup, lossless, output_ids, ...).
+Bad input ends with one `error: ...` line and exit code 1; the JSON is written atomically.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from dspec import cli  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
+                                          lock_config=True)
+_PROMPT = flags.DEFINE_multi_string('prompt', None, 'Prompt text (repeat for a batch).')
+_PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'Comma-separated prompt token ids.')
+_METRICS_JSON = flags.DEFINE_string('metrics_json', None, 'Where to write the metrics JSON.')
+
+
+def _parse_ids(text: str) -> list:
+  try:
+    return [int(t) for t in text.split(',') if t.strip()]
+  except ValueError:
+    raise cli.UserError(f'--prompt_ids must be comma-separated integers, got {text!r}')
+
+
+def main(argv):
+  del argv
+  from dspec.decoding import runner  # heavy imports after flag parsing
+  cfg = _CONFIG.value
+  if _PROMPT_IDS.value is not None and _PROMPT.value:
+    raise cli.UserError('give either --prompt or --prompt_ids, not both')
+  prompts = [_parse_ids(_PROMPT_IDS.value)] if _PROMPT_IDS.value is not None else _PROMPT.value
+  report = runner.run_decode(cfg, prompts)
+  print(report['text'])
+  keys = ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate', 'tokens_per_s',
+          'ar_tokens_per_s', 'speedup', 'lossless', 'compile_s')
+  print('metrics: ' + ' '.join(
+      f'{k}={report[k]:.3f}' if isinstance(report[k], float) else f'{k}={report[k]}'
+      for k in keys))
+  if _METRICS_JSON.value:
+    path = _METRICS_JSON.value
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(report, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+
+if __name__ == '__main__':
+  cli.run(main)

@@ -1,0 +1,50 @@
+"""Greedy losslessness: speculative output == AR output, token for token, for every drafter.
+
+Several prompts (ragged), batch 1 and batch > 1, draft lengths 1..16. New drafters are
+added to DRAFTERS below.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import generate
+from dspec.decoding.drafters.ngram import NgramDrafter
+from dspec.decoding.drafters.oracle import OracleDrafter
+from dspec.decoding.drafters.self_draft import SelfDrafter
+from dspec.decoding.engine import SpeculativeEngine
+
+# Repetitive prompts so n-gram drafts are sometimes right, sometimes wrong.
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
+NEW_TOKENS = 24
+
+DRAFTERS = [
+    *[('ngram', NgramDrafter(num_draft=g, min_n=1, max_n=3)) for g in (1, 2, 3, 5, 8, 16)],
+    *[('oracle', OracleDrafter(num_draft=g, acceptance=(0.9, 0.6), vocab_size=64))
+      for g in (1, 4, 16)],
+    *[('self', SelfDrafter(num_draft=g)) for g in (1, 4)],
+]
+
+
+@pytest.fixture(scope='module')
+def ar_outputs(tiny_split):
+  engine = SpeculativeEngine(tiny_split[0])
+  batched, state = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  single = [generate(engine, tiny_split[1], None, [p], NEW_TOKENS)[0][0] for p in PROMPTS]
+  return batched, single, np.asarray(state.tokens_BL)
+
+
+@pytest.mark.parametrize('name,drafter', DRAFTERS,
+                         ids=[f'{n}-g{d.num_draft}' for n, d in DRAFTERS])
+def test_greedy_speculative_equals_ar(tiny_split, ar_outputs, name, drafter):
+  batched_ref, single_ref, ref_BL = ar_outputs
+  engine = SpeculativeEngine(tiny_split[0], drafter=drafter)
+  dparams = ref_BL if name == 'oracle' else None
+  outs, state = generate(engine, tiny_split[1], dparams, PROMPTS, NEW_TOKENS)
+  assert outs == batched_ref
+  if name != 'oracle':   # the oracle's reference is batch-shaped
+    assert generate(engine, tiny_split[1], None, [PROMPTS[0]], NEW_TOKENS)[0][0] == \
+        single_ref[0]
+  accepted = int(np.asarray(state.stats.accepted_B).sum())
+  assert accepted > 0, 'test prompts should exercise acceptance'
+  if name == 'self':
+    assert accepted == int(np.asarray(state.stats.proposed_B).sum())

@@ -1,0 +1,205 @@
+"""Tests for dspec/decoding/drafters/suffix.py: trie counts, speculation, caches, lossless."""
+
+import random
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
+                                            SuffixTree, speculate)
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.host_loop import generate_host_loop
+from dspec.models.config import TransformerConfig
+from dspec.models.transformer import Transformer
+
+
+def _all_counts(tree):
+  """{path: count} for every node below the root."""
+  out, stack = {}, [((), tree.root)]
+  while stack:
+    path, node = stack.pop()
+    for token, child in node.children.items():
+      out[path + (token,)] = child.count
+      stack.append((path + (token,), child))
+  return out
+
+
+def _brute_counts(seqs, max_depth):
+  out = {}
+  for seq in seqs:
+    for start in range(len(seq)):
+      for end in range(start + 1, min(len(seq), start + max_depth) + 1):
+        key = tuple(seq[start:end])
+        out[key] = out.get(key, 0) + 1
+  return out
+
+
+def test_trie_counts_match_brute_force():
+  rng = random.Random(0)
+  seqs = [[rng.randrange(3) for _ in range(n)] for n in (30, 17, 1)]
+  tree = SuffixTree(max_depth=5)
+  for i, seq in enumerate(seqs):
+    tree.extend(i, seq)
+  assert _all_counts(tree) == _brute_counts(seqs, 5)
+  assert tree.root.count == sum(len(s) for s in seqs)
+
+  small = SuffixTree(max_depth=3)
+  small.extend(0, [1, 2, 3, 1, 2, 4])
+  assert (small.count([1, 2]), small.count([1, 2, 3]), small.count([2, 3, 1])) == (2, 1, 1)
+  assert small.count([1, 2, 3, 1]) == 0 and small.find([1, 2, 3, 1]) is None
+
+
+def test_remove_undoes_a_sequence():
+  rng = random.Random(1)
+  keep, drop = ([rng.randrange(4) for _ in range(n)] for n in (25, 40))
+  tree = SuffixTree(max_depth=6)
+  tree.extend(0, keep)
+  tree.extend(1, drop)
+  tree.remove(1)
+  assert _all_counts(tree) == _brute_counts([keep], 6)
+  tree.remove(0)
+  assert tree.root.count == 0 and not tree.root.children
+
+
+def test_speculate_continues_a_repeating_context():
+  context = [1, 2, 3, 4] * 2 + [1, 2, 3]
+  tree = SuffixTree(max_depth=16)
+  tree.extend(0, context)
+  # m = 4…7 (e.g. '1 2 3 4 1 2 3') match once before the current occurrence.
+  assert speculate(tree, context, max_draft=8) == ([4, 1, 2, 3], 4.0)
+  # The current occurrence ends where drafting starts: it must not dilute probabilities.
+  tokens, score = speculate(tree, context, max_draft=8, max_spec_offset=5.0)
+  assert tokens == [4, 1, 2, 3, 4, 1, 2, 3] and score == 8.0
+
+
+def test_min_token_prob_truncates_uncertain_continuations():
+  tree = SuffixTree(max_depth=8)
+  for i, seq in enumerate([[7, 1, 2], [7, 1, 2], [7, 1, 3], [7, 4, 4]]):
+    tree.extend(i, seq)
+  # After 7: 1 with p = 3/4, then 2 with p = 3/4 · 2/3 = 1/2.
+  kw = dict(max_draft=8, max_spec_offset=4.0)
+  assert speculate(tree, [7], min_token_prob=0.6, **kw) == ([1], 0.75)
+  tokens, score = speculate(tree, [5, 7], min_token_prob=0.4, **kw)
+  assert tokens == [1, 2] and score == pytest.approx(1.25)
+
+
+def test_draft_length_is_capped_by_match_length():
+  tree = SuffixTree(max_depth=32)
+  tree.extend(0, list(range(20)))
+  context = [0, 1, 2, 3]   # m = 4: at most floor(0.5 · 4 + 1) = 3 tokens
+  kw = dict(max_spec_factor=0.5, max_spec_offset=1.0)
+  assert speculate(tree, context, max_draft=8, **kw) == ([4, 5, 6], 3.0)
+  assert speculate(tree, context, max_draft=2, **kw) == ([4, 5], 2.0)
+  assert speculate(tree, context, max_draft=8) == ([4, 5, 6, 7], 4.0)
+  assert speculate(tree, [0, 1, 2, 3], max_draft=8, max_spec_factor=0.0) == ([], 0.0)
+
+
+def test_global_tree_serves_a_later_request():
+  cache = SuffixCache(max_depth=8, max_cached_requests=4)
+  first = cache.start_request([1, 2, 3])
+  cache.add_tokens(first, [10, 11, 12, 13, 14, 15])
+  assert cache.speculate(first, max_draft=4) == ([], 0.0)
+  cache.stop_request(first)
+  assert cache.num_cached == 1
+  second = cache.start_request([4, 5, 10, 11])
+  assert cache.speculate(second, max_draft=4) == ([12, 13], 2.0)
+  no_global = SuffixCache(max_depth=8, max_cached_requests=0)
+  no_global.cache_output([10, 11, 12, 13])
+  assert no_global.speculate(no_global.start_request([10, 11]), max_draft=4) == ([], 0.0)
+
+
+def test_fifo_eviction_decrements_counts():
+  cache = SuffixCache(max_depth=4, max_cached_requests=2)
+  cache.cache_output([1, 2, 3])
+  cache.cache_output([1, 2, 4])
+  assert cache.global_tree.count([1, 2]) == 2
+  cache.cache_output([5, 6])
+  tree = cache.global_tree
+  assert cache.num_cached == 2
+  assert (tree.count([1, 2]), tree.count([1, 2, 4]), tree.count([5, 6])) == (1, 1, 1)
+  assert tree.find([1, 2, 3]) is None and tree.find([3]) is None
+  assert _all_counts(tree) == _brute_counts([[1, 2, 4], [5, 6]], 4)
+
+
+def test_repeated_runs_start_from_the_same_cache_state():
+  shared = SharedSuffixCache(SuffixCache(max_depth=8, max_cached_requests=10))
+  prompts, outputs = [[1, 2], [3]], [[5, 6, 7], [8, 9]]
+  for _ in range(3):   # warm-up + timed repeats of one prompt batch
+    shared.begin_run(prompts)
+    assert shared.cache.num_cached == 0
+    shared.end_run(prompts, outputs)
+  shared.begin_run([[4]])
+  assert shared.cache.num_cached == 2 and shared.cache.global_tree.count([6, 7]) == 1
+
+  drafter = SuffixDrafter(cache_id='test_repeated_runs')
+  assert drafter.shared_cache() is drafter.shared_cache()
+  private = SuffixDrafter(cache_id='test_repeated_runs', use_global_cache=False)
+  assert private.shared_cache() is not private.shared_cache()
+  assert len({drafter, private}) == 2 and drafter.num_draft == drafter.max_draft
+
+
+def test_host_drafter_pads_proposals():
+  host = SuffixDrafter(max_draft=4, max_spec_offset=4.0, use_global_cache=False,
+                       cache_id='test_host_pads').host_drafter_factory()
+  sequences = [[1, 2, 3, 1, 2], [9, 9, 9]]
+  host.start(sequences)
+  tokens_BG, num_B = host.propose(sequences, np.array([True, False]))
+  assert tokens_BG.shape == (2, 4) and tokens_BG.dtype == np.int32
+  assert num_B.tolist() == [3, 0] and tokens_BG[0, :3].tolist() == [3, 1, 2]
+  sequences[0] += [3]
+  tokens_BG, num_B = host.propose(sequences, np.array([True, True]))
+  assert tokens_BG[0, :num_B[0]].tolist() == [1, 2, 3]   # only what was seen after '3'
+  assert tokens_BG[1, :num_B[1]].tolist() == [9, 9]
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope='module')
+def target():
+  cfg = TransformerConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,
+                          num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True)
+  graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  return graphdef, params
+
+
+def _pad(prompts):
+  width = max(len(p) for p in prompts)
+  prompt_BP = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    prompt_BP[i, :len(p)] = p
+  return prompt_BP, np.array([len(p) for p in prompts], np.int32)
+
+
+def _generated(state):
+  tokens, lens, nums = jax.device_get((state.tokens_BL, state.prompt_len_B,
+                                       state.num_tokens_B))
+  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(tokens.shape[0])]
+
+
+@pytest.mark.parametrize('prompts', [
+    [[3, 4, 5, 6] * 5],
+    [[3, 4, 5, 6] * 5, [7, 8, 9] * 3 + [10, 11]],
+], ids=['batch1', 'batch2'])
+def test_suffix_decoding_is_lossless(target, prompts):
+  graphdef, params = target
+  max_new = 40
+  prompt_BP, lens = _pad(prompts)
+  ar = SpeculativeEngine(graphdef)
+  state = ar.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
+  expected = _generated(ar.generate(params, None, state))
+
+  drafter = SuffixDrafter(max_draft=6, max_depth=16, max_spec_offset=2.0,
+                          cache_id=f'test_lossless_{len(prompts)}')
+  engine = SpeculativeEngine(graphdef, drafter=drafter)
+  accepted = []
+  for _ in range(2):   # a repeat must not draft from its own earlier answer
+    state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
+    state = generate_host_loop(engine, params, None, state, drafter.host_drafter_factory())
+    assert _generated(state) == expected
+    assert all(len(g) == max_new for g in expected)
+    accepted.append(np.asarray(state.stats.accepted_B).tolist())
+  assert accepted[0] == accepted[1]
+  assert sum(accepted[0]) > 0
