@@ -28,6 +28,20 @@ def tiny_model():
   return model
 
 
+# A 12-token vocabulary: small enough to enumerate joint distributions exactly.
+TINY_VOCAB = TransformerConfig(vocab_size=12, num_layers=2, embed_dim=32, num_heads=4,
+                               num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
+                               tie_embeddings=False)
+
+
+@pytest.fixture(scope='session')
+def small_vocab_model():
+  """A tiny-vocabulary target with peaked but non-degenerate next-token distributions."""
+  model = Transformer(TINY_VOCAB, rngs=nnx.Rngs(3))
+  model.lm_head[...] = model.lm_head[...] * 8.0
+  return model
+
+
 @pytest.fixture(scope='session')
 def tiny_split(tiny_model):
   return nnx.split(tiny_model)

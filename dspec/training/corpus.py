@@ -204,14 +204,15 @@ def _function_prompts(doc: Document, num_lines: int) -> Iterator[tuple[str, str]
       yield f'{doc.id}:{start + 1}', prompt
 
 
-def _stdlib_prompts(num_lines: int) -> list[str]:
-  """Function openings from the held-out stdlib files in a fixed order that cycles through
-  the files (each file's first pick, then each file's second, ...; hash order within)."""
+def _stdlib_prompts(num_lines: int, which: str = 'heldout') -> list[str]:
+  """Function openings from the held-out (or train) stdlib files in a fixed order that
+  cycles through the files (each file's first pick, then each file's second, ...; hash
+  order within)."""
   def key_hash(key: str) -> bytes:
     return hashlib.sha256(key.encode('utf-8')).digest()
 
   ranked = []
-  for doc in split_documents(_python_stdlib(''), DEFAULT_HELDOUT_FRACTION, 'heldout'):
+  for doc in split_documents(_python_stdlib(''), DEFAULT_HELDOUT_FRACTION, which):
     keyed = sorted(_function_prompts(doc, num_lines), key=lambda kp: key_hash(kp[0]))
     ranked += [(rank, key_hash(key), prompt) for rank, (key, prompt) in enumerate(keyed)]
   ranked.sort(key=lambda item: item[:2])
@@ -241,7 +242,8 @@ def _spec_bench_prompts(data_dir: str, category: str | None) -> list[str]:
   return [row['turns'][0] for row in rows if row['category'] == category]
 
 
-PROMPT_SETS = ('humaneval', 'gsm8k_train', 'gsm8k_test', 'python_stdlib', 'spec_bench',
+PROMPT_SETS = ('humaneval', 'gsm8k_train', 'gsm8k_test', 'python_stdlib',
+               'python_stdlib_train', 'spec_bench',
                'spec_bench/<category>')
 
 
@@ -260,6 +262,8 @@ def load_prompts(name: str, data_dir: str, limit: int | None = None) -> list[str
     prompts = [format_gsm8k_prompt(row['question']) for row in _read_jsonl(path)]
   elif name == 'python_stdlib':
     prompts = _stdlib_prompts(STDLIB_PROMPT_LINES)
+  elif name == 'python_stdlib_train':
+    prompts = _stdlib_prompts(STDLIB_PROMPT_LINES, 'train')
   elif name == 'spec_bench' or name.startswith('spec_bench/'):
     prompts = _spec_bench_prompts(data_dir, name.partition('/')[2] or None)
   else:

@@ -1,0 +1,65 @@
+"""Self-distillation writes complete shards only, resumes, and masks target-written tokens."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import distill_demo
+from dspec.training import distill
+
+
+@pytest.fixture(scope='module')
+def tiny_cfg():
+  cfg = distill_demo.get_config('tiny')
+  cfg.data_dir = os.path.join(os.path.dirname(__file__), '..', '..', '..', 'shared', 'data')
+  if not os.path.isdir(cfg.data_dir):
+    pytest.skip('../shared/data is not beside the repo')
+  return cfg
+
+
+def test_distill_resumes_and_masks_target_tokens(tiny_cfg, tmp_path):
+  out = str(tmp_path / 'd')
+  first = distill.distill(tiny_cfg, out)
+  data = distill.load_distilled(out)
+  n = first['num_prompts']
+  assert data['tokens'].shape[0] == n and first['complete']
+  written = data['loss_mask'].sum(axis=1)
+  assert np.all(written >= 1) and np.all(written <= tiny_cfg.distill.max_new_tokens)
+  # Loss-masked tokens are a contiguous suffix of each row's valid tokens.
+  for row_mask, length in zip(data['loss_mask'], data['lengths']):
+    idx = np.flatnonzero(row_mask)
+    assert idx[-1] == length - 1 and np.all(np.diff(idx) == 1)
+
+  # Simulate a crash after the first shard: a stray temp file, manifest lists one shard.
+  manifest_path = os.path.join(out, 'manifest.json')
+  with open(manifest_path) as f:
+    manifest = json.load(f)
+  dropped = manifest['shards'][1:]
+  for name in dropped:
+    os.remove(os.path.join(out, name))
+  manifest.update(shards=manifest['shards'][:1], complete=False)
+  with open(manifest_path, 'w') as f:
+    json.dump(manifest, f)
+  open(os.path.join(out, 'shard_00001.npz.tmp.npz'), 'wb').write(b'partial')
+  assert distill.load_distilled(out)['tokens'].shape[0] < n
+  resumed = distill.distill(tiny_cfg, out)
+  again = distill.load_distilled(out)
+  assert resumed['complete'] and again['tokens'].shape[0] == n
+  np.testing.assert_array_equal(again['tokens'], data['tokens'])
+
+
+def test_distill_refuses_a_dataset_made_with_other_settings(tiny_cfg, tmp_path):
+  out = str(tmp_path / 'd')
+  distill.distill(tiny_cfg, out)
+  other = distill_demo.get_config('tiny')
+  other.data_dir = tiny_cfg.data_dir
+  other.distill.max_new_tokens = 5
+  with pytest.raises(ValueError, match='other settings'):
+    distill.distill(other, out)
+
+
+def test_load_distilled_missing_dir_is_clear(tmp_path):
+  with pytest.raises(FileNotFoundError, match='distill'):
+    distill.load_distilled(str(tmp_path / 'nope'))
