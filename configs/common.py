@@ -66,8 +66,9 @@ def drafter_configs() -> ml_collections.ConfigDict:
                  'max_cached_requests': 1000},
       'oracle': {'draft_len': 8, 'acceptance': [0.8], 'source': 'ar'},
       'self': {'draft_len': 4},
-      'mtp': {'path': '', 'num_depths': 0},
-      'dflash': {'path': '', 'block_size': 16, 'denoise_steps': 1},
+      'mtp': {'path': '', 'num_depths': 0, 'sample_proposals': False},
+      'dflash': {'path': '', 'block_size': 16, 'denoise_steps': 1,
+                 'attention_impl': 'xla'},
   })
 
 

@@ -267,6 +267,14 @@ def load_model_state(path, model: nnx.Module, kind: str) -> dict:
   return metadata
 
 
+def read_model_metadata(path, kind: str) -> dict:
+  """Validated metadata of a `save_model` checkpoint of `kind` (reads no arrays)."""
+  path = _as_path(path)
+  metadata = _read_metadata(path)
+  _check_model_metadata(path, metadata, kind)
+  return metadata
+
+
 def load_target(path) -> tuple[Transformer, dict]:
   """Loads a `kind='target'` checkpoint into a new Transformer; returns (model, metadata)."""
   path = _as_path(path)

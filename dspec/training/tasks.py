@@ -6,8 +6,9 @@ from dspec.training import trainer
 
 
 def _builders():
-  from dspec.training import target_lm
-  return {'target': target_lm.build_task}
+  from dspec.training import dflash_task, target_lm
+  return {'target': target_lm.build_task, 'dflash': dflash_task.build_task,
+          'bd3lm': dflash_task.build_task}
 
 
 def run_training(cfg, workdir: str) -> dict:

@@ -57,6 +57,19 @@ def _self(cfg, target, reference_BL):
   return SelfDrafter(num_draft=cfg.drafters.self.draft_len), None
 
 
+@register('dflash')
+def _dflash(cfg, target, reference_BL):
+  from dspec.decoding.drafters import dflash
+  return dflash.from_config(cfg.drafters.dflash)
+
+
+@register('mtp')
+def _mtp(cfg, target, reference_BL):
+  from dspec.decoding.drafters import mtp
+  c = cfg.drafters.mtp
+  return mtp.load_mtp_drafter(c.path, c.num_depths, c.sample_proposals)
+
+
 def build_drafter(cfg, target, reference_BL=None):
   """(drafter, drafter_params); ValueError naming the known drafters for a bad name."""
   if cfg.drafter not in _BUILDERS:

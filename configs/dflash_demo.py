@@ -1,0 +1,69 @@
+"""DFlash drafter for the demo target: train it (DFlash or BD3-LM objective) and decode with it.
+
+Commands (after demo/target and runs/distill_demo exist, see configs/distill_demo.py):
+  python scripts/train.py --config=configs/dflash_demo.py --workdir=runs/dflash_demo
+  python scripts/train.py --config=configs/dflash_demo.py:bd3lm --workdir=runs/bd3lm_demo
+  python scripts/decode.py --config=configs/dflash_demo.py --config.compare_ar=True
+  python scripts/decode.py --config=configs/dflash_demo.py \
+      --config.drafters.dflash.path=runs/bd3lm_demo/final --config.compare_ar=True
+Arguments: layers=N (draft layers, default 2), block=B (trained block, default 16),
+steps=N, minutes=M (wall-clock cap), bd3lm (BD3-LM objective), tiny (random tiny target,
+tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.block_size (<= the
+trained block; 0 = trained), .denoise_steps (1 = the reference single pass).
+Expected: training logs loss, acc1 and tau_est (greedy τ estimate on held-out blocks) and
+exports <workdir>/final; decoding prints lossless=True and τ.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, tiny=False, bd3lm=False, layers=2, block=16, steps=3000,
+                          minutes=0.0)
+  cfg = common.decode_config('demo')
+  cfg.model.source = 'checkpoint'
+  cfg.model.path = 'demo/target'
+  cfg.drafter = 'dflash'
+  cfg.max_new_tokens = 128
+  cfg.drafters.dflash.path = 'runs/bd3lm_demo/final' if args.bd3lm else 'runs/dflash_demo/final'
+  cfg.drafters.dflash.block_size = args.block
+
+  cfg.dflash = ml_collections.ConfigDict({
+      'num_layers': args.layers,
+      'block_size': args.block,
+      'target_layer_ids': (),      # () -> round(1 + i(L-4)/(n-1)); e.g. (1, 3, 5)
+      'mask_token_id': -1,         # -1 -> the tokenizer's <|mask|> (id 1 in the demo)
+      'sliding_window': 0,         # 0 = full context
+      'attention_impl': 'xla',     # xla | pallas
+      'num_anchors': 32,           # DFlash: blocks per sequence
+      'loss_gamma': 0.0,           # 0 -> 7 for B=16, 5 for 10, 4 for 8
+      'eps_min': 0.25,             # BD3-LM: clipped noise range of t
+      'eps_max': 1.0,
+      'keep_first': True,          # BD3-LM: first token of each block stays clean
+  })
+  cfg.data = ml_collections.ConfigDict({'path': 'runs/distill_demo',
+                                        'heldout_fraction': 0.03})
+
+  cfg.training = common.training_config('bd3lm' if args.bd3lm else 'dflash')
+  t = cfg.training
+  t.num_steps = args.steps
+  t.max_minutes = args.minutes
+  t.batch_size = 16
+  t.seq_len = 320                  # distill_demo: <= 192 prompt + 128 written tokens
+  t.learning_rate = 6e-4
+  t.warmup_ratio = 0.04
+  t.weight_decay = 0.0
+  t.eval_every = 250
+  t.eval_windows = 64
+
+  if args.tiny:
+    cfg.model = common.model_config('tiny')
+    cfg.max_new_tokens = 16
+    cfg.timing_repeats = 1
+    cfg.drafters.dflash.block_size = 4
+    cfg.dflash.update(num_layers=1, block_size=4, num_anchors=4)
+    t.update(num_steps=4, batch_size=2, seq_len=32, log_every=2, eval_every=2,
+             ckpt_every=4, eval_windows=4, learning_rate=3e-3)
+  return cfg

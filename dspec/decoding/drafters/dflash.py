@@ -1,0 +1,158 @@
+"""DFlash drafting (`reference/dflash.md` §2, §5): one non-causal pass proposes a whole block.
+
+State: per-layer context K/V of the draft (post k-norm, post RoPE) for every committed
+position before the anchor, plus lengths (a `KVCache`). Only context K/V are cached; block
+K/V are recomputed every round, so rollback is rewinding lengths.
+
+  init     projects the prompt features at positions 0..P−2 (all committed before the anchor).
+  propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 attends to the cached
+           context and to itself bidirectionally; argmax over slots 1..b−1; q = None.
+  update   appends the context K/V of the verify positions start..start+γ (the committed
+           ones become visible by the new length num_tokens − 1; the rest are masked and
+           overwritten next round).
+
+`denoise_steps > 1` is iterative unmasking within the block: each step runs the block,
+fills the most confident still-masked slots with their argmax (an equal share per step),
+and the last step fills the rest. One step (the default) is the reference algorithm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspec.decoding.state import Proposal
+from dspec.models.config import TransformerConfig
+from dspec.models.dflash import DFlashConfig, DFlashDrafter, load_dflash
+from dspec.models.kv_cache import KVCache
+from pallas_kernels.block_attention import DFlashDraftMask
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDraftDrafter:
+  """Engine drafter around a `DFlashDrafter`; params are `nnx.split(module)[1]`.
+
+  block_size: the inference block b (anchor + b−1 drafts), at most the trained block.
+  """
+
+  graphdef: Any
+  config: DFlashConfig
+  target_cfg: TransformerConfig
+  block_size: int
+  denoise_steps: int = 1
+
+  def __post_init__(self):
+    if not 2 <= self.block_size <= self.config.block_size:
+      raise ValueError(f'dflash inference block_size must be in [2, {self.config.block_size}] '
+                       f'(the trained block), got {self.block_size}')
+    if self.denoise_steps < 1:
+      raise ValueError(f'dflash denoise_steps must be >= 1, got {self.denoise_steps}')
+
+  @classmethod
+  def create(cls, module: DFlashDrafter, block_size: int = 0,
+             denoise_steps: int = 1) -> Tuple['DFlashDraftDrafter', Any]:
+    """(drafter, params); block_size 0 means the trained block size."""
+    graphdef, params = nnx.split(module)
+    return cls(graphdef, module.cfg, module.target_cfg,
+               block_size or module.cfg.block_size, denoise_steps), params
+
+  @property
+  def num_draft(self) -> int:
+    return self.block_size - 1
+
+  @property
+  def taps(self) -> Tuple[int, ...]:
+    return self.config.target_layer_ids
+
+  def check_target(self, target_cfg) -> None:
+    mine = self.target_cfg
+    if target_cfg.embed_dim != mine.embed_dim:
+      raise ValueError(f'dflash drafter width {mine.embed_dim} does not match the target '
+                       f'width {target_cfg.embed_dim}')
+    if target_cfg.vocab_size != mine.vocab_size:
+      raise ValueError(f'dflash drafter vocab {mine.vocab_size} does not match the target '
+                       f'vocab {target_cfg.vocab_size}')
+    if target_cfg.num_layers != mine.num_layers:
+      raise ValueError(f'dflash drafter taps layers {list(self.taps)} of a '
+                       f'{mine.num_layers}-layer target, but the target has '
+                       f'{target_cfg.num_layers} layers')
+
+  # ------------------------------------------------------------------------ protocol
+
+  def init(self, params, target, ctx, prefill_out):
+    model = nnx.merge(self.graphdef, params)
+    b, capacity = ctx.tokens_BL.shape
+    c = model.layer_cfg
+    cache = KVCache.zeros(c.num_layers, b, capacity, c.num_kv_heads, c.head_dim,
+                          c.compute_dtype)
+    t = prefill_out.taps_BTND.shape[1]
+    positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    cache = _append_context(model, cache, prefill_out.taps_BTND, positions_BT)
+    return cache.with_lengths(ctx.num_tokens_B - 1)
+
+  def propose(self, params, cache, target, ctx, key):
+    del key
+    model = nnx.merge(self.graphdef, params)
+    b = ctx.tokens_BL.shape[0]
+    g = self.num_draft
+    drafts_BG = jnp.full((b, g), self.config.mask_token_id, jnp.int32)
+    masked_BG = jnp.ones((b, g), bool)
+    steps = min(self.denoise_steps, g)
+    for s in range(steps):
+      logits_BGV = self.block_logits(model, cache, target, ctx, drafts_BG)
+      best_BG = jnp.argmax(logits_BGV, axis=-1).astype(jnp.int32)
+      if s == steps - 1:
+        fill_BG = masked_BG
+      else:
+        conf_BG = jnp.max(jax.nn.log_softmax(logits_BGV, axis=-1), axis=-1)
+        conf_BG = jnp.where(masked_BG, conf_BG, -jnp.inf)
+        rank_BG = jnp.argsort(jnp.argsort(-conf_BG, axis=-1), axis=-1)
+        count = (s + 1) * g // steps - s * g // steps
+        fill_BG = masked_BG & (rank_BG < count)
+      drafts_BG = jnp.where(fill_BG, best_BG, drafts_BG)
+      masked_BG = masked_BG & ~fill_BG
+    return Proposal(drafts_BG, jnp.full((b,), g, jnp.int32))
+
+  def update(self, params, cache, target, ctx, verify_out, start_B, num_accepted_B):
+    del num_accepted_B
+    model = nnx.merge(self.graphdef, params)
+    t = verify_out.taps_BTND.shape[1]
+    positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    cache = _append_context(model, cache, verify_out.taps_BTND, positions_BT)
+    return cache.with_lengths(ctx.num_tokens_B - 1)
+
+  # ------------------------------------------------------------------------- helpers
+
+  def block_logits(self, model: DFlashDrafter, cache: KVCache, target, ctx, drafts_BG):
+    """Draft logits [B, b−1, V] of slots 1..b−1 for the block [anchor, drafts_BG]."""
+    b = ctx.tokens_BL.shape[0]
+    anchor_pos_B = ctx.num_tokens_B - 1
+    anchor_B = ctx.tokens_BL[jnp.arange(b), anchor_pos_B]
+    block_BT = jnp.concatenate([anchor_B[:, None], drafts_BG], axis=1)
+    positions_BT = anchor_pos_B[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)
+    mask = DFlashDraftMask(block_size=self.block_size, window=self.config.sliding_window)
+    hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
+                       mask, cache.lengths_B)
+    return target.logits(hidden_BTD[:, 1:])
+
+
+def _append_context(model: DFlashDrafter, cache: KVCache, taps_BTND, positions_BT):
+  """Writes the context K/V of new features at their absolute positions (all layers)."""
+  k_LBTKD, v_LBTKD = model.context_kv(model.fuse(taps_BTND), positions_BT)
+  for i in range(k_LBTKD.shape[0]):
+    cache = cache.write(i, k_LBTKD[i], v_LBTKD[i], positions_BT)
+  return cache
+
+
+def from_config(c) -> Tuple[DFlashDraftDrafter, Any]:
+  """(drafter, params) from a `drafters.dflash` sub-config (path, block_size, ...)."""
+  if not c.path:
+    raise ValueError('drafter dflash needs a trained checkpoint: set '
+                     '--config.drafters.dflash.path=<dir> (e.g. runs/dflash_demo/final)')
+  module = load_dflash(c.path, attention_impl=c.attention_impl)
+  return DFlashDraftDrafter.create(module, block_size=c.block_size,
+                                   denoise_steps=c.denoise_steps)

@@ -1,0 +1,250 @@
+"""The MTP drafter: catch-up over committed positions, then D chained draft steps.
+
+Cache layout (one `KVCache` layer per draft depth, positions aligned 1:1 with the target).
+With n committed tokens t_0..t_{n-1}, the target hidden h^0_p is known for p <= n-2, and
+depth k's entry at position p reads t_{p+k}, so only p <= c_k = n-1-k can use committed
+tokens alone. The persistent cache of depth k holds exactly those positions (depth 1 holds
+n-1 entries, depth k lags k-1 positions behind), and `carry` keeps each depth's raw block
+output x^k at its frontier c_k.
+
+  update   catch-up: after a verify at start..start+γ that committed m tokens, depth k
+           runs over the static window p = start-k+1+j (j = 0..γ) with tokens
+           t_{start+1+j} (the same for every depth), hidden input = carry_{k-1} then depth
+           k-1's window outputs shifted by one; slots j < m (and p >= 0) are written.
+  init     prefill is the same catch-up from start 0 over the prompt window 0..P-2.
+  propose  d_1 = head(depth 1 at n-2) from carry_1. Depth k >= 2 needs its entries at
+           n-k..n-2, which read the drafts d_1..d_{k-1}: it runs over those k-1 positions
+           (hidden = carry_{k-1} then depth k-1's draft outputs) attending to its committed
+           cache plus themselves, and its last position gives d_k. These draft entries are
+           scratch (never written to the cache).
+
+So every draft token is exactly what the full-sequence training pass (`MTP.__call__`) gives
+at position n-2 on the committed tokens followed by the earlier drafts: training and
+inference see the same causal context at every depth. Rollback = lengths/frontiers follow
+the committed count; nothing is copied. The parallel variant has no lag (head k reads h^0
+only): its depths share depth 1's window and each drafts from its own carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.decoding.state import Proposal
+from dspec.models.config import TransformerConfig
+from dspec.models.kv_cache import KVCache
+from dspec.models.mtp import MTP, MTPConfig, load_mtp
+
+
+@struct.dataclass
+class MTPState:
+  """cache: one layer per draft depth (lengths_B = n - 1: depth-1 entries).
+  carry_GBD: raw block output of depth k at its committed frontier n-1-k (parallel: n-2).
+  """
+
+  cache: KVCache
+  carry_GBD: jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter:
+  """MTP drafting with `num_draft` depths (<= trained D, or any count with shared_depth).
+
+  sample_proposals: at T > 0, sample each draft from the processed depth distribution
+  and pass q to rejection sampling; otherwise argmax drafts (one-hot q).
+  """
+
+  graphdef: Any
+  config: MTPConfig
+  target_cfg: TransformerConfig
+  num_draft: int
+  sample_proposals: bool = False
+
+  def __post_init__(self):
+    if self.num_draft < 1:
+      raise ValueError(f'mtp num_depths must be >= 1, got {self.num_draft}')
+    if self.num_draft > self.config.num_depths and not self.config.shared_depth:
+      raise ValueError(f'mtp num_depths={self.num_draft} exceeds the {self.config.num_depths} '
+                       'trained depths (only a shared_depth MTP can recurse further)')
+
+  @classmethod
+  def from_model(cls, mtp: MTP, num_draft: int = 0, sample_proposals: bool = False):
+    """(drafter, params) for an MTP module; num_draft=0 drafts with every trained depth."""
+    graphdef, params = nnx.split(mtp)
+    drafter = cls(graphdef, mtp.cfg, mtp.target_cfg, num_draft or mtp.cfg.num_depths,
+                  sample_proposals)
+    return drafter, params
+
+  @property
+  def taps(self):
+    return self.config.taps(self.target_cfg)
+
+  def check_target(self, target_cfg):
+    want = self.target_cfg
+    if target_cfg.embed_dim != want.embed_dim:
+      raise ValueError(f'mtp drafter width {want.embed_dim} != target width '
+                       f'{target_cfg.embed_dim}')
+    if target_cfg.vocab_size != want.vocab_size:
+      raise ValueError(f'mtp drafter vocab {want.vocab_size} != target vocab '
+                       f'{target_cfg.vocab_size}')
+    if self.taps and target_cfg.num_layers != want.num_layers:
+      raise ValueError(f'mtp drafter taps layer {want.num_layers - 1} (pre_norm h0 of a '
+                       f'{want.num_layers}-layer target) but the target has '
+                       f'{target_cfg.num_layers} layers')
+
+  # ------------------------------------------------------------------ internals
+
+  def _lag(self, k: int) -> int:
+    return k - 1 if self.config.chained else 0
+
+  def _cached_pass(self, mtp, target, k, cache, h_in_BWD, tokens_BW, positions_BW,
+                   valid_BW):
+    """Depth k over a window: writes valid slots into the cache, attends to the cache."""
+    write_BW = jnp.where(valid_BW, positions_BW, cache.max_len)
+    mask_BWS = jnp.arange(cache.max_len)[None, None, :] <= positions_BW[:, :, None]
+
+    def kv_fn(k_new, v_new):
+      nonlocal cache
+      cache = cache.write(k - 1, k_new, v_new, write_BW)
+      return cache.k_LBSKD[k - 1], cache.v_LBSKD[k - 1], mask_BWS
+
+    x = mtp.block(target, k, h_in_BWD, tokens_BW, positions_BW, kv_fn)
+    return x, cache
+
+  def _catch_up(self, mtp, target, cache, carry_GBD, h0_BWD, tokens_BW, base_BW,
+                num_valid_B):
+    """Runs every depth over one window; returns (cache, new carries).
+
+    Depth k's slot j sits at position base - lag(k) + j and is valid for j < num_valid_B
+    (and position >= 0); its hidden input is h0 (depth 1 / parallel) or depth k-1's output
+    one slot earlier (slot 0: depth k-1's old carry).
+    """
+    b, w = tokens_BW.shape
+    rows = jnp.arange(b)
+    j = jnp.arange(w)[None, :]
+    last_B = num_valid_B - 1
+    carries, x_prev = [], None
+    for k in range(1, self.num_draft + 1):
+      positions_BW = base_BW - self._lag(k)
+      valid_BW = (j < num_valid_B[:, None]) & (positions_BW >= 0)
+      if k == 1 or not self.config.chained:
+        h_in = h0_BWD
+      else:
+        raw = jnp.concatenate([carry_GBD[k - 2][:, None], x_prev[:, :-1]], axis=1)
+        h_in = mtp.chain(target, k - 1, raw)
+      x, cache = self._cached_pass(mtp, target, k, cache, h_in, tokens_BW, positions_BW,
+                                   valid_BW)
+      last_ok_B = valid_BW[rows, jnp.maximum(last_B, 0)] & (last_B >= 0)
+      carries.append(jnp.where(last_ok_B[:, None], x[rows, jnp.maximum(last_B, 0)],
+                               carry_GBD[k - 1].astype(x.dtype)))
+      x_prev = x
+    return cache, jnp.stack(carries)
+
+  def _pick(self, logits_BV, ctx, key):
+    """(token, q or None) for one draft position."""
+    if ctx.sampling.greedy or not self.sample_proposals:
+      return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+    q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
+    return sample_from_probs(key, q_BV), q_BV
+
+  # ------------------------------------------------------------------ protocol
+
+  def init(self, params, target, ctx, prefill_out):
+    """Prefill = a catch-up from start 0 over the prompt window (positions 0..W-1)."""
+    mtp = nnx.merge(self.graphdef, params)
+    b, length = ctx.tokens_BL.shape
+    t = self.target_cfg
+    cache = KVCache.zeros(self.num_draft, b, length, t.num_kv_heads, t.head_dim,
+                          t.compute_dtype)
+    h0_BWD = mtp.h0(prefill_out)
+    w = h0_BWD.shape[1]
+    j_BW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    carry = jnp.zeros((self.num_draft, b, t.embed_dim), h0_BWD.dtype)
+    valid_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
+    cache, carry = self._catch_up(mtp, target, cache, carry, h0_BWD,
+                                  ctx.tokens_BL[:, 1:w + 1], j_BW, valid_B)
+    return MTPState(cache.with_lengths(valid_B), carry)
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    """Catch-up over the verify window; the committed count comes from ctx (it is
+    num_accepted_B + 1 for live rows, less when a stop token or the budget cut it)."""
+    del num_accepted_B
+    mtp = nnx.merge(self.graphdef, params)
+    h0_BGD = mtp.h0(verify_out)
+    b, g1, _ = h0_BGD.shape
+    length = ctx.tokens_BL.shape[1]
+    j = jnp.arange(g1, dtype=jnp.int32)[None, :]
+    committed_B = jnp.clip(ctx.num_tokens_B - 1 - start_B, 0, g1)
+    tokens_BG = ctx.tokens_BL[jnp.arange(b)[:, None],
+                              jnp.minimum(start_B[:, None] + 1 + j, length - 1)]
+    cache, carry = self._catch_up(mtp, target, state.cache, state.carry_GBD, h0_BGD,
+                                  tokens_BG, start_B[:, None] + j, committed_B)
+    return MTPState(cache.with_lengths(start_B + committed_B), carry)
+
+  def draft(self, params, state, target, ctx, key):
+    """(draft tokens [B, G], depth logits at position n-2 [B, G, V], q [B, G, V] or None)."""
+    mtp = nnx.merge(self.graphdef, params)
+    n_B = ctx.num_tokens_B
+    carry = state.carry_GBD
+    cache = state.cache
+    logits, tokens, qs = [], [], []
+    x_prev = None
+    for k in range(1, self.num_draft + 1):
+      if k == 1 or not self.config.chained:
+        x_last_BD = carry[k - 1]
+      else:
+        x = self._draft_pass(mtp, target, k, cache, carry[k - 2], x_prev,
+                             jnp.stack(tokens, axis=1), n_B)
+        x_last_BD, x_prev = x[:, -1], x
+      logits_BV = target.logits(mtp.final(target, k, x_last_BD[:, None]))[:, 0]
+      token_B, q_BV = self._pick(logits_BV, ctx, jax.random.fold_in(key, k))
+      logits.append(logits_BV)
+      tokens.append(token_B)
+      qs.append(q_BV)
+    q_BGV = None if qs[0] is None else jnp.stack(qs, axis=1)
+    return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), q_BGV
+
+  def _draft_pass(self, mtp, target, k, cache, carry_prev_BD, x_prev_BWD, drafts_BW,
+                  n_B):
+    """Depth k >= 2 over positions n-k..n-2 (reading drafts d_1..d_{k-1}), attending to
+    its committed cache (positions < n-k) plus the window itself; nothing is written."""
+    w = k - 1
+    b = n_B.shape[0]
+    j = jnp.arange(w, dtype=jnp.int32)
+    positions_BW = n_B[:, None] - k + j[None, :]
+    valid_BW = positions_BW >= 0
+    raw = carry_prev_BD[:, None] if x_prev_BWD is None else jnp.concatenate(
+        [carry_prev_BD[:, None], x_prev_BWD], axis=1)
+    h_in = mtp.chain(target, k - 1, raw)
+    cached_BWS = jnp.broadcast_to(
+        jnp.arange(cache.max_len)[None, None, :] < (n_B - k)[:, None, None],
+        (b, w, cache.max_len))
+    own_BWW = (j[None, None, :] <= j[None, :, None]) & valid_BW[:, None, :]
+    mask_BWS = jnp.concatenate([cached_BWS, own_BWW], axis=-1)
+
+    def kv_fn(k_new, v_new):
+      k_all = jnp.concatenate([cache.k_LBSKD[k - 1], k_new.astype(cache.k_LBSKD.dtype)], 1)
+      v_all = jnp.concatenate([cache.v_LBSKD[k - 1], v_new.astype(cache.v_LBSKD.dtype)], 1)
+      return k_all, v_all, mask_BWS
+
+    return mtp.block(target, k, h_in, drafts_BW, positions_BW, kv_fn)
+
+  def propose(self, params, state, target, ctx, key) -> Proposal:
+    tokens_BG, _, q_BGV = self.draft(params, state, target, ctx, key)
+    # d_1 reads depth 1 at position n-2: nothing to propose before two tokens exist.
+    num_B = jnp.where(ctx.num_tokens_B >= 2, self.num_draft, 0).astype(jnp.int32)
+    return Proposal(tokens_BG, num_B, q_BGV)
+
+
+def load_mtp_drafter(path: str, num_depths: int = 0, sample_proposals: bool = False):
+  """(MTPDrafter, params) from a checkpoint directory; num_depths=0: every trained depth."""
+  if not path:
+    raise ValueError('drafter=mtp needs --config.drafters.mtp.path=<MTP checkpoint dir> '
+                     '(train one: scripts/train.py --config=configs/mtp_demo.py)')
+  mtp = load_mtp(path)
+  return MTPDrafter.from_model(mtp, num_depths, sample_proposals)

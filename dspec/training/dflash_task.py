@@ -1,0 +1,265 @@
+"""DFlash and BD3-LM drafter objectives on self-distilled data (training.task = dflash | bd3lm).
+
+DFlash (`reference/dflash.md` §3–4): N random anchors per sequence among positions a with
+tokens a and a+1 both target-written; block [token_a, MASK×(B−1)] at positions a..a+B−1;
+slot k predicts the token at a+k (same-position labels, k = 1..B−1, slot 0 has no loss);
+block queries see fused target features strictly before a and their own block, never
+other blocks; CE weighted by exp(−(k−1)/γ) × (in bounds) × loss_mask, normalised by the
+sum of those weights.
+
+BD3-LM (`reference/mtp_eagle_bd3lm.md` §5) with KV injection kept: fixed blocks of B; one
+noise level t per block (antithetic, rescaled into [eps_min, eps_max]); each token masked
+with probability t; the packed [x_t ; x_0] sequence where the clean half x_0 is the
+injected target context (`BD3LMContextMask`: own noisy block ∪ context of earlier blocks);
+(1/t)-weighted CE on masked target-written tokens, divided by the number of target-written
+tokens. With `keep_first` the first token of every block stays clean, like the DFlash
+anchor, so t = 1 is exactly DFlash with anchors at multiples of B and uniform weights.
+SUBS's −∞ logit on MASK is not applied: both objectives share the target head.
+
+The target is frozen: its features are computed inside the loss under stop_gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashDrafter, save_dflash
+from dspec.training.losses import token_cross_entropy
+from dspec.training.trainer import TrainTask
+from pallas_kernels.block_attention import DFlashTrainMask
+
+# Loss decay γ of the reference per block size (SpecForge `--loss-decay-gamma`).
+DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def loss_gamma(block_size: int, gamma: float = 0.0) -> float:
+  """γ for exp(−(k−1)/γ): the given one, the reference value, or 1 + 0.375·B between."""
+  if gamma > 0:
+    return float(gamma)
+  return DEFAULT_GAMMA.get(block_size, 1.0 + 0.375 * block_size)
+
+
+def target_taps(target, tokens_BS, taps):
+  """Frozen target features [B, S, n_taps, H] (residual outputs of the tapped layers)."""
+  out = target(tokens_BS, taps=taps, compute_logits=False)
+  return jax.lax.stop_gradient(out.taps_BTND)
+
+
+def sample_anchors(key, loss_mask_BS, num_anchors: int):
+  """Up to N anchors per row, without replacement, among a with loss_mask[a] & [a+1].
+
+  Returns sorted anchors [B, N]; rows with fewer candidates pad with −1 (invalid blocks).
+  """
+  cand_BA = loss_mask_BS[:, :-1] & loss_mask_BS[:, 1:]
+  n = min(num_anchors, cand_BA.shape[1])
+  score_BA = jnp.where(cand_BA, jax.random.uniform(key, cand_BA.shape), -1.0)
+  top_BN, idx_BN = jax.lax.top_k(score_BA, n)
+  big = cand_BA.shape[1] + 1
+  anchors_BN = jnp.sort(jnp.where(top_BN >= 0, idx_BN, big), axis=-1)
+  return jnp.where(anchors_BN == big, -1, anchors_BN).astype(jnp.int32)
+
+
+def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask_BS,
+                 anchors_BN, gamma: float) -> dict:
+  """Per-slot terms [B, N, B−1] of slots 1..B−1: ce, hit (argmax == label), weight.
+
+  weight = exp(−(k−1)/γ) · valid, valid = block valid & a+k in bounds & loss_mask[a+k].
+  """
+  cfg = drafter.cfg
+  big_b = cfg.block_size
+  b, s = tokens_BS.shape
+  n = anchors_BN.shape[1]
+  k_K = jnp.arange(big_b, dtype=jnp.int32)
+  pos_BNK = anchors_BN[..., None] + k_K
+  anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
+  block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
+
+  context_BSD = drafter.fuse(taps_BSND)
+  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+  ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
+  mask = DFlashTrainMask(block_size=big_b, context_len=s, window=cfg.sliding_window)
+  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
+                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, mask, anchors_BN)
+  logits_BNKV = target.logits(hidden_BQD).reshape(b, n, big_b, -1)[:, :, 1:]
+
+  label_pos_BNK = pos_BNK[:, :, 1:]
+  safe_pos = jnp.clip(label_pos_BNK, 0, s - 1).reshape(b, -1)
+  labels_BNK = jnp.take_along_axis(tokens_BS, safe_pos, axis=1).reshape(label_pos_BNK.shape)
+  supervised_BNK = jnp.take_along_axis(loss_mask_BS, safe_pos, axis=1).reshape(
+      label_pos_BNK.shape)
+  valid_BNK = (supervised_BNK & (label_pos_BNK < s) & (anchors_BN >= 0)[..., None])
+  decay_K = jnp.exp(-jnp.arange(big_b - 1, dtype=jnp.float32) / gamma)
+  return {
+      'ce': token_cross_entropy(logits_BNKV, labels_BNK),
+      'hit': jnp.argmax(logits_BNKV, axis=-1) == labels_BNK,
+      'valid': valid_BNK,
+      'weight': decay_K * valid_BNK.astype(jnp.float32),
+      'block_valid': anchors_BN >= 0,
+  }
+
+
+def dflash_sums(terms: dict) -> dict:
+  """Sums from which loss, slot-1 accuracy and the greedy τ estimate are ratios."""
+  run_BN = jnp.sum(jnp.cumprod((terms['hit'] & terms['valid']).astype(jnp.int32), axis=-1),
+                   axis=-1)
+  return {
+      'weighted_ce': jnp.sum(terms['ce'] * terms['weight']),
+      'weight': jnp.sum(terms['weight']),
+      'hit1': jnp.sum(terms['hit'][..., 0] & terms['valid'][..., 0]),
+      'valid1': jnp.sum(terms['valid'][..., 0]),
+      'run': jnp.sum(jnp.where(terms['block_valid'], run_BN, 0)),
+      'blocks': jnp.sum(terms['block_valid']),
+  }
+
+
+def dflash_metrics(sums: dict) -> dict:
+  """loss, acc1 (slot-1 top-1) and tau_est (1 + mean leading run of correct slots)."""
+  return {
+      'loss': sums['weighted_ce'] / jnp.maximum(sums['weight'], 1e-6),
+      'acc1': sums['hit1'] / jnp.maximum(sums['valid1'], 1),
+      'tau_est': 1.0 + sums['run'] / jnp.maximum(sums['blocks'], 1),
+  }
+
+
+def dflash_loss(drafter, target, batch, key, *, num_anchors: int, gamma: float):
+  tokens_BS, loss_mask_BS = batch['tokens'], batch['loss_mask']
+  taps = target_taps(target, tokens_BS, drafter.cfg.target_layer_ids)
+  anchors_BN = sample_anchors(key, loss_mask_BS, num_anchors)
+  m = dflash_metrics(dflash_sums(dflash_terms(drafter, target, taps, tokens_BS,
+                                              loss_mask_BS, anchors_BN, gamma)))
+  return m['loss'], {'acc1': m['acc1'], 'tau_est': m['tau_est']}
+
+
+def bd3lm_noise(key, batch: int, seq_len: int, block_size: int, eps_min: float,
+                eps_max: float, keep_first: bool):
+  """(t per token [B, S], drop [B, S]): antithetic t per block in [eps_min, eps_max]."""
+  nb = seq_len // block_size
+  n = batch * nb
+  k_perm, k_u, k_drop = jax.random.split(key, 3)
+  strata = jax.random.permutation(k_perm, n).astype(jnp.float32)
+  u = (jax.random.uniform(k_u, (n,)) + strata) / n
+  t_BK = (eps_min + u * (eps_max - eps_min)).reshape(batch, nb)
+  t_BS = jnp.repeat(t_BK, block_size, axis=1)
+  drop_BS = jax.random.uniform(k_drop, (batch, seq_len)) < t_BS
+  if keep_first:
+    drop_BS &= (jnp.arange(seq_len) % block_size != 0)[None]
+  return t_BS, drop_BS
+
+
+def bd3lm_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, drop_BS):
+  """Per-token CE [B, S] of the x_t half given which tokens are masked (S % B == 0)."""
+  cfg = drafter.cfg
+  b, s = tokens_BS.shape
+  pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+  ctx_k, ctx_v = drafter.context_kv(drafter.fuse(taps_BSND), pos_BS)
+  x_t_BS = jnp.where(drop_BS, cfg.mask_token_id, tokens_BS)
+  mask = BD3LMContextMask(block_size=cfg.block_size, seq_len=s)
+  hidden_BSD = drafter(target.embed(x_t_BS), pos_BS, ctx_k, ctx_v, mask, None,
+                       context_first=False)
+  return token_cross_entropy(target.logits(hidden_BSD), tokens_BS)
+
+
+def bd3lm_loss(drafter, target, batch, key, *, eps_min: float, eps_max: float,
+               keep_first: bool):
+  big_b = drafter.cfg.block_size
+  s = batch['tokens'].shape[1]
+  pad = (-s) % big_b
+  tokens_BS = jnp.pad(batch['tokens'], ((0, 0), (0, pad)))
+  loss_mask_BS = jnp.pad(batch['loss_mask'], ((0, 0), (0, pad)))
+  b, s = tokens_BS.shape
+  taps = target_taps(target, tokens_BS, drafter.cfg.target_layer_ids)
+  t_BS, drop_BS = bd3lm_noise(key, b, s, big_b, eps_min, eps_max, keep_first)
+  ce_BS = bd3lm_terms(drafter, target, taps, tokens_BS, drop_BS)
+  on_BS = (drop_BS & loss_mask_BS).astype(jnp.float32)
+  loss = jnp.sum(ce_BS * on_BS / t_BS) / jnp.maximum(jnp.sum(loss_mask_BS), 1)
+  masked_ce = jnp.sum(ce_BS * on_BS) / jnp.maximum(jnp.sum(on_BS), 1.0)
+  return loss, {'masked_ce': masked_ce}
+
+
+# ------------------------------------------------------------------------------- task
+
+
+def _fit(a: np.ndarray, width: int) -> np.ndarray:
+  a = a[:, :width]
+  return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def build_drafter(cfg, target_cfg, tokenizer_mask_id=None) -> DFlashDrafter:
+  """A freshly initialised drafter for the config's `dflash` section and the target.
+
+  mask_token_id < 0 takes the tokenizer's mask id, else the last vocab row.
+  """
+  d = cfg.dflash
+  mask_id = d.mask_token_id
+  if mask_id < 0:
+    mask_id = target_cfg.vocab_size - 1 if tokenizer_mask_id is None else tokenizer_mask_id
+  dcfg = DFlashConfig.create(
+      num_target_layers=target_cfg.num_layers, num_layers=d.num_layers,
+      block_size=d.block_size, mask_token_id=mask_id,
+      target_layer_ids=tuple(d.target_layer_ids), sliding_window=d.sliding_window or None,
+      attention_impl=d.attention_impl)
+  return DFlashDrafter(dcfg, target_cfg, rngs=nnx.Rngs(cfg.training.seed))
+
+
+def build_task(cfg, workdir: str) -> TrainTask:
+  """The 'dflash' or 'bd3lm' task: drafter on `cfg.data.path` for the target `cfg.model`."""
+  del workdir
+  from dspec.decoding.runner import build_target
+  from dspec.training.distill import load_distilled
+  tcfg, d = cfg.training, cfg.dflash
+  target, tokenizer, _ = build_target(cfg.model)
+  drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id)
+
+  data = load_distilled(cfg.data.path)
+  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len)
+  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len)
+  n_held = int(round(len(tokens) * cfg.data.heldout_fraction))
+  n_train = len(tokens) - n_held
+  if n_train < 1:
+    raise ValueError(f'{cfg.data.path}: {len(tokens)} sequences leave none for training')
+  # Too small for a held-out split: evaluate on the training rows.
+  held = slice(n_train, None) if n_held else slice(0, n_train)
+  held_tokens = tokens[held][:tcfg.eval_windows]
+  held_mask = loss_mask[held][:tcfg.eval_windows]
+
+  def get_batch(step: int) -> dict:
+    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
+    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+
+  gamma = loss_gamma(d.block_size, d.loss_gamma)
+  if tcfg.task == 'dflash':
+    loss_fn = functools.partial(dflash_loss, num_anchors=d.num_anchors, gamma=gamma)
+  else:
+    loss_fn = functools.partial(bd3lm_loss, eps_min=d.eps_min, eps_max=d.eps_max,
+                                keep_first=d.keep_first)
+
+  @jax.jit
+  def eval_sums(model, target, tokens_BS, loss_mask_BS, key):
+    taps = target_taps(target, tokens_BS, model.cfg.target_layer_ids)
+    anchors_BN = sample_anchors(key, loss_mask_BS, d.num_anchors)
+    return dflash_sums(dflash_terms(model, target, taps, tokens_BS, loss_mask_BS,
+                                    anchors_BN, gamma))
+
+  def evaluate(model, target) -> dict:
+    """DFlash-style held-out metrics (same for both objectives, so they compare)."""
+    total = None
+    bs = tcfg.batch_size
+    for i in range(0, len(held_tokens), bs):
+      chunk_t, chunk_m = held_tokens[i:i + bs], held_mask[i:i + bs]
+      short = bs - len(chunk_t)   # pad the last chunk with unsupervised rows
+      chunk_t = np.pad(chunk_t, ((0, short), (0, 0)))
+      chunk_m = np.pad(chunk_m, ((0, short), (0, 0)))
+      sums = eval_sums(model, target, chunk_t, chunk_m, jax.random.key(i))
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    return {k: float(v) for k, v in dflash_metrics(total).items()}
+
+  def export(model, path):
+    save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True)
+
+  return TrainTask(model=drafter, frozen=target, loss_fn=loss_fn, get_batch=get_batch,
+                   evaluate=evaluate, export=export)

@@ -1,0 +1,1 @@
+"""Pallas kernels for dspec: one package per op."""

@@ -1,0 +1,70 @@
+"""`scripts/decode.py`: the DESIGN §8 contract, including one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+DECODE = os.path.join(REPO_ROOT, 'scripts', 'decode.py')
+
+
+def _run(*args):
+  proc = subprocess.run([sys.executable, DECODE, *args], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=300)
+  return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_metrics_json_has_every_design_key(tmp_path):
+  out = tmp_path / 'm.json'
+  rc, stdout, stderr = _run('--config=configs/tiny.py', '--prompt_ids=1,2,3,1,2,3,1,2',
+                            '--config.drafter=ngram', '--config.compare_ar=True',
+                            '--config.max_new_tokens=12', '--config.timing_repeats=1',
+                            f'--metrics_json={out}')
+  assert rc == 0, stderr
+  report = json.loads(out.read_text())
+  for key in ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate',
+              'per_position_acceptance', 'tokens_per_s', 'ar_tokens_per_s', 'speedup',
+              'lossless', 'output_ids'):
+    assert key in report, key
+  assert report['method'] == 'ngram' and report['lossless'] is True
+  assert len(report['output_ids']) == report['new_tokens'] == 12
+  assert len(report['per_position_acceptance']) == 8
+  assert 'lossless=True' in stdout
+
+
+BAD_INPUTS = {
+    'empty_prompt': (['--prompt='], 'empty prompt'),
+    'prompt_too_long': (['--config.model.max_seq_len=16', '--prompt_ids=' + ','.join(
+        ['1'] * 10)], 'exceeds the model context'),
+    'unknown_token_id': (['--prompt_ids=1,2,999'], 'out of range'),
+    'negative_temperature': (['--config.temperature=-0.5'], 'temperature'),
+    'top_p_zero': (['--config.top_p=0'], 'top_p'),
+    'top_p_above_one': (['--config.top_p=1.5'], 'top_p'),
+    'unknown_config_key': (['--config.bogus=1'], 'unknown config key'),
+    'wrong_config_type': (['--config.max_new_tokens=many'], 'max_new_tokens'),
+    'unknown_drafter': (['--config.drafter=bogus'], 'unknown drafter'),
+    'missing_checkpoint': (['--config.model.source=checkpoint',
+                            '--config.model.path=/nonexistent/ckpt'], '/nonexistent/ckpt'),
+}
+
+
+@pytest.mark.parametrize('case', list(BAD_INPUTS))
+def test_bad_input_gets_one_clear_line(case, tmp_path):
+  args, expected = BAD_INPUTS[case]
+  out = tmp_path / 'm.json'
+  rc, _, stderr = _run('--config=configs/tiny.py', f'--metrics_json={out}', *args)
+  assert rc != 0
+  assert 'Traceback' not in stderr
+  errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and expected in errors[0], stderr[-2000:]
+  assert not out.exists()
+
+
+def test_missing_config_file_is_one_line():
+  rc, _, stderr = _run('--config=configs/no_such_config.py')
+  assert rc != 0 and 'Traceback' not in stderr
+  assert 'config file not found' in stderr
