@@ -1,0 +1,153 @@
+"""Engine overhead and training-free drafter speedups (issue: speculative engine performance).
+
+  python scripts/bench_engine.py --preset=roofline100m --out=docs/bench_engine.json
+  python scripts/bench_engine.py --checkpoint=demo/target --out=docs/bench_engine_demo.json
+
+1. Overhead: the oracle drafter replays the AR output with synthetic acceptance profiles.
+   Measured speedup (AR decode time / speculative decode time) is compared with the model
+   tau * T_ar / (T_verify(gamma + 1) + T_draft), whose parts are timed separately in the same
+   process. Goal: measured within 10% of the model.
+2. Prompt lookup and suffix decoding on code-editing prompts (the answer repeats prompt
+   text), AR baseline in the same run. Goal: speedup > 1.5x.
+All timings: warm-up first (compile excluded), then the median of --repeats runs.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
+
+from configs import common  # noqa: E402
+from dspec import cli  # noqa: E402
+
+_OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
+_PRESET = flags.DEFINE_string('preset', 'roofline100m', 'Random-weight model preset.')
+_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'dspec target checkpoint instead.')
+_NEW_TOKENS = flags.DEFINE_integer('new_tokens', 96, 'Tokens to generate per prompt.')
+_GAMMA = flags.DEFINE_integer('gamma', 7, 'Draft length for the overhead study.')
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs (median reported).')
+
+# Code-editing style: the answer is expected to repeat most of the prompt's code.
+EDIT_PROMPT = '''# Rename the variable `total` to `acc` in this function.
+def running_sum(values):
+    total = 0
+    out = []
+    for v in values:
+        total = total + v
+        out.append(total)
+    return out
+
+# After the rename:
+def running_sum(values):
+'''
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from dspec.bench.timing import median_time
+  from dspec.decoding.drafters.ngram import NgramDrafter
+  from dspec.decoding.drafters.oracle import OracleDrafter
+  from dspec.decoding.drafters.suffix import SuffixDrafter
+  from dspec.decoding.engine import SpeculativeEngine
+  from dspec.decoding.host_loop import generate_host_loop
+  from dspec.metrics import acceptance_metrics
+
+  cfg = common.decode_config(_PRESET.value if not _CHECKPOINT.value else 'tiny')
+  if _CHECKPOINT.value:
+    cfg.model.source, cfg.model.path = 'checkpoint', _CHECKPOINT.value
+  from dspec.decoding.runner import build_target
+  target, tokenizer, _ = build_target(cfg.model)
+  graphdef, params = nnx.split(target)
+  if tokenizer.vocab_size >= 1000:
+    ids = tokenizer.encode(EDIT_PROMPT)
+  else:   # random-weight presets: a repetitive id pattern instead of text
+    ids = (list(range(3, 40)) * 3)[:96]
+  prompt = np.asarray([ids], np.int32)
+  lens = np.array([len(ids)], np.int32)
+  n = _NEW_TOKENS.value
+  stop_ids = tuple(tokenizer.stop_ids) if _CHECKPOINT.value else ()
+
+  def run(engine, dparams=None, host_factory=None):
+    def go():
+      st = engine.prefill(params, dparams, prompt, lens, max_new_tokens=n)
+      if host_factory is None:
+        return engine.generate(params, dparams, st)
+      return generate_host_loop(engine, params, dparams, st, host_factory())
+    state = go()
+    t = median_time(go, repeats=_REPEATS.value, warmup=0)
+    return state, t
+
+  ar_engine = SpeculativeEngine(graphdef, stop_ids=stop_ids)
+  ar_state, t_ar_total = run(ar_engine)
+  new = int(ar_state.num_tokens_B[0] - ar_state.prompt_len_B[0])
+  t_prefill = median_time(lambda: ar_engine.prefill(params, None, prompt, lens,
+                                                    max_new_tokens=n), _REPEATS.value)
+  t_ar = (t_ar_total - t_prefill) / new
+  result = {'model': _CHECKPOINT.value or _PRESET.value, 'new_tokens': new,
+            'ar_tokens_per_s': new / (t_ar_total - t_prefill), 'ar_step_ms': t_ar * 1e3}
+
+  # --- Separately timed parts: one verify forward of gamma + 1 tokens mid-sequence.
+  g = _GAMMA.value
+  cache = ar_state.cache
+
+  @jax.jit
+  def verify(p, tokens, cache):
+    return nnx.merge(graphdef, p)(tokens, cache=cache).logits_BTV
+
+  mid = cache.with_lengths(jnp.asarray(lens + new // 2))
+  t_verify = median_time(lambda: verify(params, jnp.zeros((1, g + 1), jnp.int32), mid),
+                         _REPEATS.value * 3, warmup=2)
+  result['verify_ms'] = {str(g + 1): t_verify * 1e3}
+
+  overhead = []
+  for profile in ([1.0], [0.9], [0.8, 0.5], [0.5]):
+    drafter = OracleDrafter(num_draft=g, acceptance=tuple(profile),
+                            vocab_size=target.cfg.vocab_size)
+    engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
+    ref = ar_state.tokens_BL
+    state, t_spec_total = run(engine, ref)
+    assert np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
+                          np.asarray(ref)[0, :lens[0] + new]), 'oracle run not lossless'
+    tau = acceptance_metrics(state.stats)['tau']
+    ctx_key = jax.random.key(0)
+    from dspec.decoding.state import DraftContext
+    propose = jax.jit(lambda r, t, nt: drafter.propose(r, (), None, DraftContext(t, nt),
+                                                       ctx_key).tokens_BG)
+    t_draft = median_time(lambda: propose(ref, state.tokens_BL, state.num_tokens_B),
+                          _REPEATS.value * 3, warmup=2)
+    measured = (t_ar_total - t_prefill) / (t_spec_total - t_prefill)
+    modelled = tau * t_ar / (t_verify + t_draft)
+    overhead.append({'profile': profile, 'tau': tau, 'draft_ms': t_draft * 1e3,
+                     'measured_speedup': measured, 'model_speedup': modelled,
+                     'measured_over_model': measured / modelled})
+  result['oracle_overhead'] = overhead
+
+  drafters = {'ngram': (NgramDrafter(num_draft=g, min_n=1, max_n=4), None),
+              'suffix': (SuffixDrafter(max_draft=16, use_global_cache=False), 'host')}
+  result['training_free'] = {}
+  for name, (drafter, mode) in drafters.items():
+    engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
+    state, t_total = run(engine, None, drafter.host_drafter_factory if mode else None)
+    lossless = np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
+                              np.asarray(ar_state.tokens_BL)[0, :lens[0] + new])
+    m = acceptance_metrics(state.stats)
+    result['training_free'][name] = {
+        'tau': m['tau'], 'acceptance_rate': m['acceptance_rate'],
+        'speedup': (t_ar_total - t_prefill) / (t_total - t_prefill), 'lossless': lossless}
+  print(json.dumps(result, indent=1))
+  if _OUT.value:
+    with open(_OUT.value + '.tmp', 'w') as f:
+      json.dump(result, f, indent=1)
+    os.replace(_OUT.value + '.tmp', _OUT.value)
+
+
+if __name__ == '__main__':
+  cli.run(main)
