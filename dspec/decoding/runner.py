@@ -11,23 +11,29 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspec import sharding
 from dspec.cli import UserError
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
 from dspec.decoding.sampling import SamplingSpec
+from dspec.decoding.sharded import ShardedEngine
 from dspec.metrics import acceptance_metrics
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 from dspec.tokenizer import load_tokenizer
 
 
-def build_target(model_cfg):
-  """(Transformer, tokenizer, max_seq_len) from the config's `model` section."""
+def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
+  """(Transformer, tokenizer, max_seq_len) from the config's `model` section.
+
+  With a `placement`, params live on its mesh (random init: created already sharded).
+  """
   source = model_cfg.source
   if source == 'random':
     cfg = TransformerConfig(**model_cfg.shape)
-    target = Transformer(cfg, rngs=nnx.Rngs(model_cfg.seed))
+    ctor = lambda: Transformer(cfg, rngs=nnx.Rngs(model_cfg.seed))
+    target = placement.for_model(cfg).create_module(ctor) if placement else ctor()
     weights_dir = None
   elif source == 'checkpoint':
     from dspec import checkpoint
@@ -43,6 +49,8 @@ def build_target(model_cfg):
   if tok_dir and not os.path.exists(os.path.join(tok_dir, 'tokenizer.json')):
     tok_dir = None if not model_cfg.tokenizer_dir else tok_dir
   tokenizer = load_tokenizer(tok_dir, target.cfg.vocab_size)
+  if placement and source != 'random':
+    sharding.place_module(target, placement.for_model(target.cfg))
   return target, tokenizer, model_cfg.max_seq_len
 
 
@@ -133,15 +141,26 @@ def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_le
 
 
 def run_decode(cfg, prompts: Optional[Sequence] = None) -> dict:
-  """Runs the configured drafter (and AR when compared or needed); returns the report."""
+  """Runs the configured drafter (and AR when compared or needed); returns the report.
+
+  With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
+  programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
+  """
   spec = validate_sampling(cfg)
-  target, tokenizer, max_seq_len = build_target(cfg.model)
-  prompts = prompts if prompts else [cfg.prompt]
+  placement = sharding.placement_from_config(cfg)
+  target, tokenizer, max_seq_len = build_target(cfg.model, placement)
+  placement = placement and placement.for_model(target.cfg)
+  on_mesh = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
+  if not prompts:
+    prompts = [cfg.prompt]
+    if cfg.prompt_set:
+      from dspec.training.corpus import load_prompts
+      prompts = [load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index]]
   prompt_BP, prompt_len_B = encode_prompts(prompts, tokenizer, target.cfg.vocab_size,
                                            cfg.batch_size, max_seq_len, cfg.max_new_tokens)
   graphdef, target_params = nnx.split(target)
   stop_ids = tuple(tokenizer.stop_ids)
-  ar_engine = SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)
+  ar_engine = on_mesh(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids))
 
   ar = None
   if cfg.compare_ar or cfg.drafter == 'oracle':
@@ -149,7 +168,10 @@ def run_decode(cfg, prompts: Optional[Sequence] = None) -> dict:
   drafter, drafter_params = registry.build_drafter(
       cfg, target, None if ar is None else ar['state'].tokens_BL)
   host_factory = getattr(drafter, 'host_drafter_factory', None)
-  engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
+  if placement:
+    drafter_params = placement.put_params(drafter_params)
+  engine = on_mesh(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
+                                     stop_ids=stop_ids))
   spec_run = timed_generation(engine, target_params, drafter_params, prompt_BP,
                               prompt_len_B, cfg, host_factory)
 

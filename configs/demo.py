@@ -1,0 +1,28 @@
+"""The main job: the demo target with its trained DFlash drafter on a HumanEval prompt.
+
+Command:
+  python scripts/decode.py --config=configs/demo.py
+  python scripts/decode.py --config=configs/demo.py --config.drafter=mtp
+  python scripts/decode.py --config=configs/demo.py --config.prompt_set=gsm8k_test
+Expected: prints the completion, then a metrics line with tau, tokens/s for DFlash and AR
+(same process, after warm-up), the speedup, and lossless=True. Figures: docs/RESULTS.md.
+The chain that produced demo/ is in configs/demo_target.py, distill_demo.py,
+mtp_demo.py and dflash_demo.py.
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, drafter='dflash', index=0)
+  cfg = common.decode_config('demo')
+  cfg.model.source = 'checkpoint'
+  cfg.model.path = 'demo/target'
+  cfg.drafter = args.drafter
+  cfg.drafters.dflash.path = 'demo/dflash'
+  cfg.drafters.mtp.path = 'demo/mtp'
+  cfg.prompt_set = 'humaneval'
+  cfg.prompt_index = args.index
+  cfg.max_new_tokens = 128
+  cfg.compare_ar = True
+  return cfg
