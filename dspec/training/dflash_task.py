@@ -1,7 +1,9 @@
 """DFlash and BD3-LM drafter objectives on self-distilled data (training.task = dflash | bd3lm).
 
 DFlash (`reference/dflash.md` §3–4): N random anchors per sequence among positions a with
-tokens a and a+1 both target-written; block [token_a, MASK×(B−1)] at positions a..a+B−1;
+tokens a and a+1 both target-written (`anchor_supervised`, the reference rule) or only
+a+1 (then the last prompt token, the anchor of the first round at inference, is trained
+too); block [token_a, MASK×(B−1)] at positions a..a+B−1;
 slot k predicts the token at a+k (same-position labels, k = 1..B−1, slot 0 has no loss);
 block queries see fused target features strictly before a and their own block, never
 other blocks; CE weighted by exp(−(k−1)/γ) × (in bounds) × loss_mask, normalised by the
@@ -50,12 +52,17 @@ def target_taps(target, tokens_BS, taps):
   return jax.lax.stop_gradient(out.taps_BTND)
 
 
-def sample_anchors(key, loss_mask_BS, num_anchors: int):
-  """Up to N anchors per row, without replacement, among a with loss_mask[a] & [a+1].
+def sample_anchors(key, loss_mask_BS, num_anchors: int, anchor_supervised: bool = True):
+  """Up to N anchors per row, without replacement, among a with loss_mask[a+1] (and
+  loss_mask[a] when `anchor_supervised`, the reference rule).
 
-  Returns sorted anchors [B, N]; rows with fewer candidates pad with −1 (invalid blocks).
+  Without `anchor_supervised` the last prompt token is a candidate too: it is the anchor
+  of the first round at inference. Returns sorted anchors [B, N]; rows with fewer
+  candidates pad with −1 (invalid blocks).
   """
-  cand_BA = loss_mask_BS[:, :-1] & loss_mask_BS[:, 1:]
+  cand_BA = loss_mask_BS[:, 1:]
+  if anchor_supervised:
+    cand_BA = cand_BA & loss_mask_BS[:, :-1]
   n = min(num_anchors, cand_BA.shape[1])
   score_BA = jnp.where(cand_BA, jax.random.uniform(key, cand_BA.shape), -1.0)
   top_BN, idx_BN = jax.lax.top_k(score_BA, n)
@@ -126,10 +133,11 @@ def dflash_metrics(sums: dict) -> dict:
   }
 
 
-def dflash_loss(drafter, target, batch, key, *, num_anchors: int, gamma: float):
+def dflash_loss(drafter, target, batch, key, *, num_anchors: int, gamma: float,
+                anchor_supervised: bool = True):
   tokens_BS, loss_mask_BS = batch['tokens'], batch['loss_mask']
   taps = target_taps(target, tokens_BS, drafter.cfg.target_layer_ids)
-  anchors_BN = sample_anchors(key, loss_mask_BS, num_anchors)
+  anchors_BN = sample_anchors(key, loss_mask_BS, num_anchors, anchor_supervised)
   m = dflash_metrics(dflash_sums(dflash_terms(drafter, target, taps, tokens_BS,
                                               loss_mask_BS, anchors_BN, gamma)))
   return m['loss'], {'acc1': m['acc1'], 'tau_est': m['tau_est']}
@@ -233,7 +241,8 @@ def build_task(cfg, workdir: str) -> TrainTask:
 
   gamma = loss_gamma(d.block_size, d.loss_gamma)
   if tcfg.task == 'dflash':
-    loss_fn = functools.partial(dflash_loss, num_anchors=d.num_anchors, gamma=gamma)
+    loss_fn = functools.partial(dflash_loss, num_anchors=d.num_anchors, gamma=gamma,
+                                anchor_supervised=d.anchor_supervised)
   else:
     loss_fn = functools.partial(bd3lm_loss, eps_min=d.eps_min, eps_max=d.eps_max,
                                 keep_first=d.keep_first)
@@ -241,7 +250,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
   @jax.jit
   def eval_sums(model, target, tokens_BS, loss_mask_BS, key):
     taps = target_taps(target, tokens_BS, model.cfg.target_layer_ids)
-    anchors_BN = sample_anchors(key, loss_mask_BS, d.num_anchors)
+    anchors_BN = sample_anchors(key, loss_mask_BS, d.num_anchors, d.anchor_supervised)
     return dflash_sums(dflash_terms(model, target, taps, tokens_BS, loss_mask_BS,
                                     anchors_BN, gamma))
 

@@ -1,0 +1,278 @@
+"""DFlash drafter: masks, label alignment, context leaks, cached drafting, losslessness, CLI.
+
+One toy target (tiny shape, 256-token vocab so the byte tokenizer fits the CLI) and one
+drafter trained through the registered 'dflash' task on the target's own greedy
+continuation of PROMPT, in the self-distilled data format.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO_ROOT, TINY, generate
+from lossless_checks import check_engine_samples_match_target
+from configs import dflash_demo
+from dspec import checkpoint
+from dspec.decoding.drafters import registry
+from dspec.decoding.drafters.dflash import DFlashDraftDrafter
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.sampling import SamplingSpec
+from dspec.decoding.state import DraftContext
+from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashDrafter,
+                                 default_target_layer_ids)
+from dspec.models.transformer import Transformer
+from dspec.training import dflash_task, tasks
+from pallas_kernels.block_attention import DFlashDraftMask, DFlashTrainMask
+
+TOY = dataclasses.replace(TINY, vocab_size=256)
+PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+OTHER = [9, 9, 1]
+NEW_TOKENS = 40
+
+
+def _matrix(text):
+  return np.array([[c == '1' for c in row] for row in text.split()], bool)
+
+
+@pytest.fixture(scope='module')
+def toy(tmp_path_factory):
+  """Toy target saved as a checkpoint, its greedy continuation, and a trained drafter."""
+  root = tmp_path_factory.mktemp('dflash')
+  target = Transformer(TOY, rngs=nnx.Rngs(0))
+  target.lm_head[...] = target.lm_head[...] * 20.0   # varied, tie-free greedy outputs
+  graphdef, params = nnx.split(target)
+  continuation = generate(SpeculativeEngine(graphdef), params, None, [PROMPT],
+                          NEW_TOKENS)[0][0]
+  target_dir = str(root / 'target')
+  checkpoint.save_model(target_dir, target, kind='target', config=TOY.to_dict())
+
+  data_dir = root / 'data'
+  data_dir.mkdir()
+  seq = np.array([PROMPT + continuation], np.int32)
+  np.savez(data_dir / 'shard_00000.npz', tokens=seq,
+           loss_mask=np.arange(seq.shape[1])[None] >= len(PROMPT),
+           lengths=np.array([seq.shape[1]], np.int32))
+  (data_dir / 'manifest.json').write_text(json.dumps({'shards': ['shard_00000.npz'],
+                                                      'complete': True}))
+  cfg = dflash_demo.get_config('tiny')
+  cfg.model.source, cfg.model.path = 'checkpoint', target_dir
+  cfg.data.path, cfg.data.heldout_fraction = str(data_dir), 0.0
+  cfg.dflash.num_anchors = 16
+  cfg.training.update(num_steps=60, batch_size=4, seq_len=seq.shape[1], learning_rate=1e-2,
+                      log_every=60, eval_every=60, ckpt_every=60)
+  result = tasks.run_training(cfg, str(root / 'run'))
+  cfg.drafters.dflash.path = str(root / 'run' / 'final')
+  drafter, dparams = registry.build_drafter(cfg, target)
+  return dict(target=target, graphdef=graphdef, params=params, continuation=continuation,
+              seq=seq, cfg=cfg, target_dir=target_dir, drafter=drafter, dparams=dparams,
+              result=result)
+
+
+# ------------------------------------------------------------------------------ masks
+
+
+def test_default_taps_follow_the_reference():
+  assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+  assert default_target_layer_ids(8, 3) == (1, 3, 5)
+  assert default_target_layer_ids(8, 1) == (4,)
+  assert default_target_layer_ids(2, 2) == (0, 1)
+
+
+def test_training_mask_layout():
+  # S = 4 context keys, then blocks of B = 2; anchors 2, 0 and an invalid block.
+  mask = DFlashTrainMask(block_size=2, context_len=4)
+  expected = _matrix('''
+      1100110000
+      1100110000
+      0000001100
+      0000001100
+      0000000000
+      0000000000''')
+  np.testing.assert_array_equal(mask.dense(6, 10, np.array([[2, 0, -1]])), expected)
+  window = DFlashTrainMask(block_size=2, context_len=4, window=2)
+  np.testing.assert_array_equal(window.dense(2, 6, np.array([[3]])),
+                                _matrix('001011\n001011'))
+
+
+def test_drafting_mask_layout():
+  # Cache capacity C = 5 with 3 valid entries, then a block of 3 (bidirectional).
+  expected = _matrix('11100111\n11100111\n11100111')
+  np.testing.assert_array_equal(DFlashDraftMask(block_size=3).dense(3, 8, 3), expected)
+  windowed = _matrix('00100111\n00100111\n00100111')
+  np.testing.assert_array_equal(DFlashDraftMask(block_size=3, window=2).dense(3, 8, 3),
+                                windowed)
+
+
+def test_bd3lm_context_mask_layout():
+  # L = 4, B = 2: KV = [x_t | x_0 = injected context]; block b sees x_0 blocks < b.
+  expected = _matrix('11000000\n11000000\n00111100\n00111100')
+  np.testing.assert_array_equal(BD3LMContextMask(block_size=2, seq_len=4).dense(4, 8),
+                                expected)
+
+
+# ------------------------------------------------------------------ training objective
+
+
+@pytest.fixture(scope='module')
+def block_ce(toy):
+  """(jit(taps, tokens, anchors) -> per-block summed CE, target taps, drafter) for a
+  random 2-layer drafter (untrained, so its loss reacts to every visible input)."""
+  cfg = DFlashConfig.create(TOY.num_layers, num_layers=2, block_size=4, mask_token_id=255)
+  drafter = DFlashDrafter(cfg, TOY, rngs=nnx.Rngs(7))
+  target = toy['target']
+  loss_mask = jnp.ones(toy['seq'].shape, bool)
+
+  @jax.jit
+  def fn(taps, tokens, anchors):
+    terms = dflash_task.dflash_terms(drafter, target, taps, tokens, loss_mask, anchors, 4.0)
+    return jnp.sum(terms['ce'] * terms['valid'], axis=-1)[0]
+
+  taps = dflash_task.target_taps(target, jnp.asarray(toy['seq']),
+                                 drafter.cfg.target_layer_ids)
+  return fn, taps, drafter
+
+
+def test_context_never_leaks_from_the_anchor_on(toy, block_ce):
+  fn, taps, _ = block_ce
+  tokens = jnp.asarray(toy['seq'])
+  anchors = jnp.array([[12, 20, 30]])
+  base = np.asarray(fn(taps, tokens, anchors))
+  noise = jax.random.normal(jax.random.key(1), taps.shape)
+  later = np.asarray(fn(taps.at[:, 20:].add(noise[:, 20:]), tokens, anchors))
+  np.testing.assert_allclose(later[:2], base[:2], rtol=1e-5, atol=1e-5)
+  assert abs(later[2] - base[2]) > 1e-3
+  just_before = np.asarray(fn(taps.at[:, 19].add(noise[:, 19]), tokens, anchors))
+  assert abs(just_before[1] - base[1]) > 1e-3
+  # Blocks never see each other: another block's anchor token changes nothing here.
+  other = np.asarray(fn(taps, tokens.at[0, 30].set(200), anchors))
+  np.testing.assert_allclose(other[:2], base[:2], rtol=1e-5, atol=1e-5)
+
+
+def test_bd3lm_objective(toy, block_ce):
+  """Noise in range with clean block starts; at t = 1 the CE equals DFlash at anchors kB."""
+  _, taps, drafter = block_ce
+  t, drop = dflash_task.bd3lm_noise(jax.random.key(0), 8, 32, 4, 0.3, 0.9, keep_first=True)
+  t = np.asarray(t)
+  assert t.min() >= 0.3 and t.max() <= 0.9
+  assert not np.asarray(drop)[:, ::4].any() and np.asarray(drop).any()
+  big_b = drafter.cfg.block_size
+  s = 12 * big_b
+  tokens = jnp.asarray(toy['seq'][:, :s])
+
+  @jax.jit
+  def run(taps, tokens):
+    drop = jnp.broadcast_to(jnp.arange(s) % big_b != 0, tokens.shape)
+    ce_bd3 = dflash_task.bd3lm_terms(drafter, toy['target'], taps, tokens, drop)
+    terms = dflash_task.dflash_terms(drafter, toy['target'], taps, tokens,
+                                     jnp.ones_like(tokens, bool),
+                                     jnp.arange(0, s, big_b)[None], 4.0)
+    batch = {'tokens': tokens, 'loss_mask': jnp.arange(s)[None] >= len(PROMPT)}
+    loss = dflash_task.bd3lm_loss(drafter, toy['target'], batch, jax.random.key(0),
+                                  eps_min=0.25, eps_max=1.0, keep_first=True)[0]
+    return ce_bd3.reshape(-1, big_b)[:, 1:], terms['ce'][0], loss
+
+  ce_bd3, ce_dflash, loss = run(taps[:, :s], tokens)
+  np.testing.assert_allclose(ce_bd3, ce_dflash, rtol=1e-4, atol=1e-4)
+  assert np.isfinite(float(loss)) and float(loss) > 0
+
+
+# --------------------------------------------------------------------------- drafting
+
+
+@pytest.fixture(scope='module')
+def ragged_run(toy):
+  """Greedy AR and DFlash outputs (and final state) for the ragged batch [PROMPT, OTHER]."""
+  ar = generate(SpeculativeEngine(toy['graphdef']), toy['params'], None, [PROMPT, OTHER],
+                NEW_TOKENS)[0]
+  engine = SpeculativeEngine(toy['graphdef'], drafter=toy['drafter'])
+  outs, state = generate(engine, toy['params'], toy['dparams'], [PROMPT, OTHER], NEW_TOKENS)
+  return ar, outs, state
+
+
+def test_trained_on_a_toy_sequence_drafts_it(toy, ragged_run):
+  assert toy['result']['eval']['acc1'] > 0.95
+  _, outs, state = ragged_run
+  assert outs[0] == toy['continuation']
+  accepted, proposed = int(state.stats.accepted_B[0]), int(state.stats.proposed_B[0])
+  assert accepted >= 0.95 * proposed, (accepted, proposed)
+
+
+def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
+  drafter, target = toy['drafter'], toy['target']
+  state = ragged_run[2]
+  assert int(state.stats.accepted_B[0]) >= 4   # multi-token commits went through update
+
+  @jax.jit
+  def cached_and_fresh(dparams, tokens_BL, num_tokens_B, cache):
+    model = nnx.merge(drafter.graphdef, dparams)
+    ctx = DraftContext(tokens_BL, num_tokens_B)
+    masks_BG = jnp.full((2, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
+    cached = drafter.block_logits(model, cache, target, ctx, masks_BG)
+    # Fresh: one causal target pass over the whole buffer; init keeps positions < n - 1.
+    out = target(tokens_BL, taps=drafter.taps, compute_logits=False)
+    fresh_cache = drafter.init(dparams, target, ctx, out)
+    return cached, drafter.block_logits(model, fresh_cache, target, ctx, masks_BG)
+
+  cached, fresh = cached_and_fresh(toy['dparams'], state.tokens_BL, state.num_tokens_B,
+                                   state.drafter_state)
+  np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_lossless_against_ar(toy, ragged_run):
+  ar, outs, state = ragged_run
+  assert outs == ar
+  # Batch 1, with a smaller inference block and two denoising steps.
+  smaller = dataclasses.replace(toy['drafter'], block_size=3, denoise_steps=2)
+  engine = SpeculativeEngine(toy['graphdef'], drafter=smaller)
+  outs, state = generate(engine, toy['params'], toy['dparams'], [PROMPT], NEW_TOKENS)
+  assert outs[0] == toy['continuation']
+  assert int(state.stats.accepted_B[0]) > 0
+
+
+def test_sampled_output_matches_the_target(small_vocab_model):
+  cfg = DFlashConfig.create(small_vocab_model.cfg.num_layers, num_layers=1, block_size=3,
+                            mask_token_id=11)
+  module = DFlashDrafter(cfg, small_vocab_model.cfg, rngs=nnx.Rngs(5))
+  drafter, dparams = DFlashDraftDrafter.create(module)
+  graphdef, params = nnx.split(small_vocab_model)
+  engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=SamplingSpec(greedy=False))
+  check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
+                                    [3, 1, 4, 1, 5, 9, 2, 6], temperature=1.0,
+                                    num_samples=25_000, num_tokens=2)
+
+
+def test_mismatched_target_and_missing_path_are_clear_errors(toy):
+  drafter = toy['drafter']
+  for change, words in [({'embed_dim': 48}, 'width'), ({'vocab_size': 300}, 'vocab'),
+                        ({'num_layers': 3}, 'taps')]:
+    with pytest.raises(ValueError, match=words):
+      drafter.check_target(dataclasses.replace(TOY, **change))
+  cfg = dflash_demo.get_config('tiny')
+  cfg.drafters.dflash.path = ''
+  with pytest.raises(ValueError, match='drafters.dflash.path'):
+    registry.build_drafter(cfg, toy['target'])
+  with pytest.raises(ValueError, match='trained block'):
+    dataclasses.replace(drafter, block_size=drafter.config.block_size + 1)
+
+
+def test_decode_cli_with_a_trained_drafter(toy, tmp_path):
+  metrics = tmp_path / 'm.json'
+  cmd = [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'decode.py'),
+         '--config=' + os.path.join(REPO_ROOT, 'configs', 'dflash_demo.py') + ':tiny',
+         '--config.model.source=checkpoint', f'--config.model.path={toy["target_dir"]}',
+         f'--config.drafters.dflash.path={toy["cfg"].drafters.dflash.path}',
+         '--config.compare_ar=True', f'--config.max_new_tokens={NEW_TOKENS}',
+         '--prompt_ids=' + ','.join(map(str, PROMPT)), f'--metrics_json={metrics}']
+  result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'lossless=True' in result.stdout
+  report = json.loads(metrics.read_text())
+  assert report['method'] == 'dflash' and report['tau'] > 3.5
