@@ -20,7 +20,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from dspec import checkpoint
+from dspec import checkpoint, sharding
 from dspec.training.optimizer import make_optimizer
 
 
@@ -46,11 +46,18 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   """Runs (or resumes) training; returns the last logged and eval metrics.
 
   cfg: the `training` ConfigDict (num_steps, learning_rate, warmup_ratio, weight_decay,
-  grad_clip, b1, b2, seed, log_every, eval_every, ckpt_every, max_minutes).
+  grad_clip, b1, b2, seed, log_every, eval_every, ckpt_every, max_minutes; optional
+  mesh and sharding_rules: params, optimizer state and the frozen model are then sharded
+  (fsdp + tensor, `dspec/sharding.py`) and batches split over the batch axes).
   """
   os.makedirs(workdir, exist_ok=True)
   optimizer = make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
+  placement = sharding.placement_from_config(cfg, sharding.find_model_config(task.model))
+  frozen = task.frozen
+  if placement:
+    params, rest = placement.put_params(params), placement.put_params(rest)
+    frozen = sharding.place_tree(frozen, placement)
   opt_state = optimizer.init(params)
 
   ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, 'checkpoints'),
@@ -60,20 +67,28 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   if latest is not None:
     restored, _ = ckpt.restore(latest, {'params': params, 'opt_state': opt_state})
     params, opt_state = restored['params'], restored['opt_state']
+    if placement:
+      params, opt_state = placement.put_params(params), placement.put_params(opt_state)
     start_step = latest
     logging.info('resumed from step %d', latest)
 
   def loss_of_params(p, frozen, batch, key):
     return task.loss_fn(nnx.merge(graphdef, p, rest), frozen, batch, key)
 
-  @jax.jit
   def train_step(p, opt_state, frozen, batch, key):
     (loss, metrics), grads = jax.value_and_grad(loss_of_params, has_aux=True)(
         p, frozen, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, p)
     p = optax.apply_updates(p, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return p, opt_state, metrics
+
+  if placement:
+    train_step = placement.jit(train_step, out_shardings=(
+        placement.shardings(placement.param_specs(params)),
+        placement.shardings(placement.param_specs(opt_state)), None))
+  else:
+    train_step = jax.jit(train_step)
 
   log_path = os.path.join(workdir, 'train_log.jsonl')
   base_key = jax.random.key(cfg.seed)
@@ -82,7 +97,9 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   step = start_step
   for step in range(start_step, cfg.num_steps):
     batch = jax.tree.map(jnp.asarray, task.get_batch(step))
-    params, opt_state, metrics = train_step(params, opt_state, task.frozen, batch,
+    if placement:
+      batch = placement.put_batch(batch)
+    params, opt_state, metrics = train_step(params, opt_state, frozen, batch,
                                             jax.random.fold_in(base_key, step))
     done = step + 1
     out_of_time = cfg.max_minutes and (time.time() - t_start) > 60 * cfg.max_minutes
