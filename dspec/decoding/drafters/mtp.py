@@ -120,9 +120,9 @@ class MTPDrafter:
                 num_valid_B):
     """Runs every depth over one window; returns (cache, new carries).
 
-    Depth k's slot j sits at position base - lag(k) + j and is valid for j < num_valid_B
-    (and position >= 0); its hidden input is h0 (depth 1 / parallel) or depth k-1's output
-    one slot earlier (slot 0: depth k-1's old carry).
+    Depth k's slot j sits at position base_BW[:, j] - lag(k) and is valid for
+    j < num_valid_B (and position >= 0); its hidden input is h0 (depth 1 / parallel) or
+    depth k-1's output one slot earlier (slot 0: depth k-1's old carry).
     """
     b, w = tokens_BW.shape
     rows = jnp.arange(b)

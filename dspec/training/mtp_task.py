@@ -1,0 +1,223 @@
+"""MTP objectives: joint pretraining with the target, and post-hoc on a frozen target.
+
+  mtp_joint    target + MTP trained together on the `target_lm` corpora:
+               L = L_main + λ(step) Σ_k w_k L_k, gradients flow into the trunk; with β = 1,
+               w_k = 1/D, i.e. DeepSeek-V3's L_main + (λ/D) Σ_k L_k. λ is a step schedule
+               (`training.mtp_lambda_schedule`: (fraction of num_steps, λ) pairs).
+  mtp_posthoc  MTP alone on a frozen target's self-distilled data (FastMTP): L = Σ_k w_k L_k
+               with CE only where the label is target-written (loss_mask).
+
+Per-depth weights w_k = β^{k-1} / Σ_j β^{j-1} (`training.mtp_beta`; FastMTP uses 0.6).
+Depth k at position i reads t_{i+k} and predicts t_{i+k+1} (`MTP.__call__`).
+
+Logged per depth k: `loss_d{k}` and `agree_d{k}`, the top-1 agreement with the target:
+the fraction of supervised positions i where the depth-k argmax at i equals the target's
+own argmax for t_{i+k+1} given the true prefix t_0..t_{i+k}. On greedy self-distilled
+data (where the true prefix is the target's greedy output) this is the depth-k greedy
+acceptance conditional on the earlier drafts being accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
+from dspec.training.losses import masked_mean, token_cross_entropy
+from dspec.training.trainer import TrainTask
+
+
+class JointModel(nnx.Module):
+  """Target and MTP trained together (the MTP borrows the target's embedding and head)."""
+
+  def __init__(self, target, mtp: MTP):
+    self.target = target
+    self.mtp = mtp
+
+
+def depth_weights(num_depths: int, beta: float):
+  w = beta ** np.arange(num_depths, dtype=np.float64)
+  return jnp.asarray(w / w.sum(), jnp.float32)
+
+
+def lambda_at(schedule, step: int, num_steps: int) -> float:
+  """λ of the last (fraction, λ) entry whose fraction * num_steps <= step."""
+  lam = 0.0
+  for frac, value in sorted(schedule):
+    if step >= frac * num_steps:
+      lam = value
+  return float(lam)
+
+
+def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
+  """Per-depth sums [D] of CE, agreement and supervised count.
+
+  target_out: the target's forward over tokens_BS[:, :-1] (with logits and the MTP's taps);
+  label_mask_BS: which tokens may serve as labels.
+  """
+  h0_BTD = mtp.h0(target_out)
+  t = h0_BTD.shape[1]
+  target_argmax_BT = jnp.argmax(target_out.logits_BTV, axis=-1)
+  ce, agree, count = [], [], []
+  for k, hidden_BTD in enumerate(mtp(target, h0_BTD, tokens_BS), start=1):
+    logits_BTV = target.logits(hidden_BTD)
+    w_BT = shifted(label_mask_BS, k + 1, t).astype(jnp.float32)
+    ce.append(jnp.sum(token_cross_entropy(logits_BTV, shifted(tokens_BS, k + 1, t)) * w_BT))
+    hit_BT = jnp.argmax(logits_BTV, axis=-1) == shifted(target_argmax_BT, k, t)
+    agree.append(jnp.sum(hit_BT * w_BT))
+    count.append(jnp.sum(w_BT))
+  return {'ce': jnp.stack(ce), 'agree': jnp.stack(agree), 'count': jnp.stack(count)}
+
+
+def depth_metrics(sums: dict) -> dict:
+  """loss_d{k} and agree_d{k} from (summed) `mtp_sums`."""
+  count = jnp.maximum(sums['count'], 1.0)
+  out = {}
+  for k in range(sums['ce'].shape[0]):
+    out[f'loss_d{k + 1}'] = sums['ce'][k] / count[k]
+    out[f'agree_d{k + 1}'] = sums['agree'][k] / count[k]
+  return out
+
+
+def _depth_losses(sums: dict):
+  return sums['ce'] / jnp.maximum(sums['count'], 1.0)
+
+
+def joint_loss(model: JointModel, frozen, batch, key, *, weights):
+  del frozen, key
+  tokens_BS = batch['tokens']
+  out = model.target(tokens_BS[:, :-1], taps=model.mtp.cfg.taps(model.target.cfg))
+  ce_main = token_cross_entropy(out.logits_BTV, tokens_BS[:, 1:])
+  loss_main = masked_mean(ce_main, jnp.ones_like(ce_main))
+  sums = mtp_sums(model.mtp, model.target, out, tokens_BS, jnp.ones_like(tokens_BS, bool))
+  loss_mtp = jnp.sum(weights * _depth_losses(sums))
+  lam = batch['mtp_lambda']
+  return loss_main + lam * loss_mtp, dict(depth_metrics(sums), loss_main=loss_main,
+                                          loss_mtp=loss_mtp, mtp_lambda=lam)
+
+
+def posthoc_loss(mtp: MTP, target, batch, key, *, weights):
+  del key
+  tokens_BS = batch['tokens']
+  out = target(tokens_BS[:, :-1], taps=mtp.cfg.taps(target.cfg))
+  sums = mtp_sums(mtp, target, out, tokens_BS, batch['loss_mask'])
+  return jnp.sum(weights * _depth_losses(sums)), depth_metrics(sums)
+
+
+def _evaluator(chunks):
+  """evaluate(model, frozen) over held-out [tokens, label_mask] chunks."""
+
+  @jax.jit
+  def sums_of(mtp, target, tokens_BS, mask_BS):
+    out = target(tokens_BS[:, :-1], taps=mtp.cfg.taps(target.cfg))
+    return mtp_sums(mtp, target, out, tokens_BS, mask_BS)
+
+  def evaluate(mtp, target) -> dict:
+    total = None
+    for tokens_BS, mask_BS in chunks:
+      sums = sums_of(mtp, target, tokens_BS, mask_BS)
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    return {k: float(v) for k, v in depth_metrics(total).items()}
+
+  return evaluate
+
+
+def _chunks(tokens, mask, batch_size: int):
+  """Fixed-size held-out chunks (the last one padded with unsupervised rows)."""
+  out = []
+  for i in range(0, len(tokens), batch_size):
+    t, m = tokens[i:i + batch_size], mask[i:i + batch_size]
+    short = batch_size - len(t)
+    out.append((np.pad(t, ((0, short), (0, 0))), np.pad(m, ((0, short), (0, 0)))))
+  return out
+
+
+def mtp_config(cfg) -> MTPConfig:
+  return MTPConfig.from_dict(dict(cfg.mtp.items()))
+
+
+# ------------------------------------------------------------------------------- tasks
+
+
+def build_joint_task(cfg, workdir: str) -> TrainTask:
+  """'mtp_joint': a fresh target (as `target_lm`) plus D MTP depths, trained together."""
+  from dspec.tokenizer import load_tokenizer
+  from dspec.training import target_lm
+  tcfg = cfg.training
+  base = target_lm.build_task(cfg, workdir)
+  target = base.model
+  model = JointModel(target, MTP(mtp_config(cfg), target.cfg,
+                                 rngs=nnx.Rngs(tcfg.seed + 1)))
+  weights = depth_weights(model.mtp.cfg.num_depths, tcfg.mtp_beta)
+  schedule = [tuple(p) for p in tcfg.mtp_lambda_schedule]
+
+  def get_batch(step: int) -> dict:
+    batch = base.get_batch(step)
+    batch['mtp_lambda'] = np.float32(lambda_at(schedule, step, tcfg.num_steps))
+    return batch
+
+  tokenizer = load_tokenizer(cfg.model.tokenizer_dir or None, target.cfg.vocab_size)
+  heldout = target_lm.packed_windows(cfg, tokenizer, 'heldout',
+                                     os.path.join(workdir, 'data'))
+  rows = np.concatenate([w[:tcfg.eval_windows] for w in heldout.values()])
+  mtp_eval = _evaluator(_chunks(rows, np.ones_like(rows, bool), tcfg.batch_size))
+
+  def evaluate(model, frozen) -> dict:
+    return dict(base.evaluate(model.target, frozen), **mtp_eval(model.mtp, model.target))
+
+  def export(model, path):
+    os.makedirs(path, exist_ok=True)
+    base.export(model.target, os.path.join(path, 'target'))
+    save_mtp(os.path.join(path, 'mtp'), model.mtp, storage_dtype=tcfg.storage_dtype,
+             force=True)
+
+  return TrainTask(model=model, frozen=None,
+                   loss_fn=functools.partial(joint_loss, weights=weights),
+                   get_batch=get_batch, evaluate=evaluate, export=export)
+
+
+def _fit(a: np.ndarray, width: int) -> np.ndarray:
+  a = a[:, :width]
+  return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
+                 heldout_fraction: float, name: str = 'distilled data') -> TrainTask:
+  """'mtp_posthoc' on `data` (`load_distilled` format) for the frozen `target`."""
+  mtp = MTP(mtp_cfg, target.cfg, rngs=nnx.Rngs(tcfg.seed))
+  weights = depth_weights(mtp_cfg.num_depths, tcfg.mtp_beta)
+  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len + 1)
+  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len + 1)
+  n_held = int(round(len(tokens) * heldout_fraction))
+  n_train = len(tokens) - n_held
+  if n_train < 1:
+    raise ValueError(f'{name}: {len(tokens)} sequences leave none for training')
+  held = slice(n_train, None) if n_held else slice(0, n_train)   # tiny sets: train rows
+  evaluate = _evaluator(_chunks(tokens[held][:tcfg.eval_windows],
+                                loss_mask[held][:tcfg.eval_windows], tcfg.batch_size))
+
+  def get_batch(step: int) -> dict:
+    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
+    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+
+  def export(model, path):
+    save_mtp(path, model, storage_dtype=tcfg.storage_dtype, force=True)
+
+  return TrainTask(model=mtp, frozen=target,
+                   loss_fn=functools.partial(posthoc_loss, weights=weights),
+                   get_batch=get_batch, evaluate=evaluate, export=export)
+
+
+def build_posthoc_task(cfg, workdir: str) -> TrainTask:
+  """'mtp_posthoc' from a config: the frozen target `cfg.model`, data at `cfg.data.path`."""
+  del workdir
+  from dspec.decoding.runner import build_target
+  from dspec.training.distill import load_distilled
+  target, _, _ = build_target(cfg.model)
+  return posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
+                      cfg.data.heldout_fraction, cfg.data.path)
