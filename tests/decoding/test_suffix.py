@@ -2,17 +2,15 @@
 
 import random
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
+from conftest import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
-from dspec.models.config import TransformerConfig
-from dspec.models.transformer import Transformer
+from dspec.decoding.runner import generated_ids
 
 
 def _all_counts(tree):
@@ -157,39 +155,17 @@ def test_host_drafter_pads_proposals():
 # ------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope='module')
-def target():
-  cfg = TransformerConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,
-                          num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True)
-  graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-  return graphdef, params
-
-
-def _pad(prompts):
-  width = max(len(p) for p in prompts)
-  prompt_BP = np.zeros((len(prompts), width), np.int32)
-  for i, p in enumerate(prompts):
-    prompt_BP[i, :len(p)] = p
-  return prompt_BP, np.array([len(p) for p in prompts], np.int32)
-
-
-def _generated(state):
-  tokens, lens, nums = jax.device_get((state.tokens_BL, state.prompt_len_B,
-                                       state.num_tokens_B))
-  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(tokens.shape[0])]
-
-
 @pytest.mark.parametrize('prompts', [
     [[3, 4, 5, 6] * 5],
     [[3, 4, 5, 6] * 5, [7, 8, 9] * 3 + [10, 11]],
 ], ids=['batch1', 'batch2'])
-def test_suffix_decoding_is_lossless(target, prompts):
-  graphdef, params = target
+def test_suffix_decoding_is_lossless(tiny_split, prompts):
+  graphdef, params = tiny_split
   max_new = 40
-  prompt_BP, lens = _pad(prompts)
+  prompt_BP, lens = pad_prompts(prompts)
   ar = SpeculativeEngine(graphdef)
   state = ar.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
-  expected = _generated(ar.generate(params, None, state))
+  expected = generated_ids(ar.generate(params, None, state))
 
   drafter = SuffixDrafter(max_draft=6, max_depth=16, max_spec_offset=2.0,
                           cache_id=f'test_lossless_{len(prompts)}')
@@ -198,7 +174,7 @@ def test_suffix_decoding_is_lossless(target, prompts):
   for _ in range(2):   # a repeat must not draft from its own earlier answer
     state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
     state = generate_host_loop(engine, params, None, state, drafter.host_drafter_factory())
-    assert _generated(state) == expected
+    assert generated_ids(state) == expected
     assert all(len(g) == max_new for g in expected)
     accepted.append(np.asarray(state.stats.accepted_B).tolist())
   assert accepted[0] == accepted[1]
