@@ -22,6 +22,7 @@ from flax import nnx  # noqa: E402
 
 from configs import common  # noqa: E402
 from dspec import cli  # noqa: E402
+from dspec.files import write_json_atomic  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
 _PRESET = flags.DEFINE_string('preset', 'roofline100m', 'Model preset in configs/common.py.')
@@ -95,9 +96,7 @@ def main(argv):
                   torch_threads=torch.get_num_threads())
   print(json.dumps(result, indent=1))
   if _OUT.value:
-    with open(_OUT.value + '.tmp', 'w') as f:
-      json.dump(result, f, indent=1)
-    os.replace(_OUT.value + '.tmp', _OUT.value)
+    write_json_atomic(_OUT.value, result)
 
 
 if __name__ == '__main__':

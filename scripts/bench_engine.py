@@ -23,6 +23,7 @@ from absl import flags  # noqa: E402
 
 from configs import common  # noqa: E402
 from dspec import cli  # noqa: E402
+from dspec.files import write_json_atomic  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
 _PRESET = flags.DEFINE_string('preset', 'roofline100m', 'Random-weight model preset.')
@@ -144,9 +145,7 @@ def main(argv):
         'speedup': (t_ar_total - t_prefill) / (t_total - t_prefill), 'lossless': lossless}
   print(json.dumps(result, indent=1))
   if _OUT.value:
-    with open(_OUT.value + '.tmp', 'w') as f:
-      json.dump(result, f, indent=1)
-    os.replace(_OUT.value + '.tmp', _OUT.value)
+    write_json_atomic(_OUT.value, result)
 
 
 if __name__ == '__main__':

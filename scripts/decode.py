@@ -6,7 +6,6 @@ per_position_acceptance, tokens_per_s, ar_tokens_per_s, speedup, lossless, outpu
 Bad input ends with one `error: ...` line and exit code 1; the JSON is written atomically.
 """
 
-import json
 import os
 import sys
 
@@ -16,6 +15,7 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from dspec import cli  # noqa: E402
+from dspec.files import write_json_atomic  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
                                           lock_config=True)
@@ -46,11 +46,7 @@ def main(argv):
       f'{k}={report[k]:.3f}' if isinstance(report[k], float) else f'{k}={report[k]}'
       for k in keys))
   if _METRICS_JSON.value:
-    path = _METRICS_JSON.value
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + '.tmp', 'w') as f:
-      json.dump(report, f, indent=1)
-    os.replace(path + '.tmp', path)
+    write_json_atomic(_METRICS_JSON.value, report)
 
 
 if __name__ == '__main__':

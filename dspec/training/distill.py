@@ -21,17 +21,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.files import write_atomic, write_json_atomic
 from dspec.decoding.runner import build_target, generated_ids, validate_sampling
 from dspec.training import corpus
 
 _MANIFEST = 'manifest.json'
 _WIDTH_BUCKET = 64
-
-
-def _write_json_atomic(path: str, obj) -> None:
-  with open(path + '.tmp', 'w') as f:
-    json.dump(obj, f, indent=1)
-  os.replace(path + '.tmp', path)
 
 
 def load_distilled(path: str) -> dict:
@@ -103,7 +98,7 @@ def distill(cfg, out_dir: str) -> dict:
   else:
     manifest = {'fingerprint': fingerprint, 'shards': [], 'complete': False,
                 'num_prompts': len(prompts), 'temperature': cfg.temperature}
-    _write_json_atomic(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest)
 
   graphdef, params = nnx.split(target)
   engine = SpeculativeEngine(graphdef, sampling=spec, stop_ids=tuple(tokenizer.stop_ids))
@@ -131,14 +126,16 @@ def distill(cfg, out_dir: str) -> dict:
       tokens[i, :len(p) + len(o)] = p + o
       loss_mask[i, len(p):len(p) + len(o)] = True
     lengths = np.array([len(p) + len(o) for p, o in zip(shard_prompts, outputs)], np.int32)
-    tmp = os.path.join(out_dir, name + '.tmp.npz')
-    np.savez(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths)
-    os.replace(tmp, os.path.join(out_dir, name))
+    def write_shard(tmp):
+      with open(tmp, 'wb') as f:
+        np.savez(f, tokens=tokens, loss_mask=loss_mask, lengths=lengths)
+
+    write_atomic(os.path.join(out_dir, name), write_shard)
     manifest['shards'].append(name)
-    _write_json_atomic(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest)
   bar.close()
   manifest['complete'] = True
   manifest['num_tokens_written'] = int(sum(
       np.load(os.path.join(out_dir, n))['loss_mask'].sum() for n in manifest['shards']))
-  _write_json_atomic(manifest_path, manifest)
+  write_json_atomic(manifest_path, manifest)
   return manifest
