@@ -2,7 +2,8 @@
 
 The last n committed tokens (n = max_n down to min_n, largest first) are searched for in
 prompt + output; the most recent earlier occurrence wins and the tokens that followed it are
-proposed (at most `num_draft`, and only tokens already committed). No match: no proposal.
+proposed (`num_draft` of them; where the continuation reaches the end of the committed
+text it repeats periodically, as a loop would). No match: no proposal.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ class NgramDrafter:
     for n in range(self.max_n, self.min_n - 1, -1):
       found_B = _latest_match(tokens_BL, num_tokens_B, n)
       best_B = jnp.where(best_B >= 0, best_B, found_B)
+    # The continuation tokens[p:] may run into the proposal itself (p + j >= num_tokens);
+    # there it repeats with period num_tokens - p, which is what a loop would produce.
     j = jnp.arange(self.num_draft)[None, :]
-    idx_BG = jnp.clip(best_B[:, None] + j, 0, length - 1)
+    period_B = jnp.maximum(num_tokens_B - best_B, 1)
+    idx_BG = jnp.clip(best_B[:, None] + j % period_B[:, None], 0, length - 1)
     draft_BG = tokens_BL[jnp.arange(b)[:, None], idx_BG]
-    num_B = jnp.where(best_B >= 0,
-                      jnp.clip(num_tokens_B - best_B, 0, self.num_draft), 0)
+    num_B = jnp.where(best_B >= 0, self.num_draft, 0)
     return Proposal(draft_BG.astype(jnp.int32), num_B.astype(jnp.int32))
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):

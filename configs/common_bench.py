@@ -1,0 +1,46 @@
+"""The `bench` section shared by benchmark configs (`scripts/benchmark.py`).
+
+A benchmark config is a decode config (DESIGN §8 fields, drafter sub-configs) plus `bench`:
+what to sweep and whether to time the `transformers` peer. The top-level decode fields
+(`max_new_tokens`, `top_p`, `seed`, `timing_repeats`, `data_dir`, `drafters.*`) apply to
+every run of the sweep; `temperature`, `batch_size`, `drafter` and each method's size knob
+are set by the sweep.
+"""
+
+import ml_collections
+
+# Spec-Bench's six groups (speed.py names); `spec_bench/mt_bench` is its 8 MT-Bench categories.
+SPEC_BENCH_GROUPS = ('mt_bench', 'translation', 'summarization', 'qa', 'math_reasoning', 'rag')
+ALL_DATASETS = ('humaneval', 'gsm8k_test') + tuple(f'spec_bench/{g}' for g in SPEC_BENCH_GROUPS)
+
+
+def bench_section() -> ml_collections.ConfigDict:
+  """Defaults of the sweep; configs override what they need."""
+  return ml_collections.ConfigDict({
+      'datasets': ALL_DATASETS,
+      'num_prompts': 8,            # first N prompts of each dataset (fixed order)
+      'methods': ('ngram', 'suffix', 'mtp', 'dflash'),   # AR always runs as the baseline
+      'temperatures': (0.0, 1.0),
+      'sizes': (4, 8, 16),         # draft length / block size, set through `size_fields`
+      # Per-method sizes replacing `sizes` (e.g. MTP is limited to its trained depth).
+      'method_sizes': ml_collections.ConfigDict({'mtp': (3,)}),
+      # The drafter sub-config field each size sets; methods not listed run once as configured.
+      'size_fields': ml_collections.ConfigDict({
+          'ngram': 'draft_len', 'suffix': 'max_draft', 'oracle': 'draft_len',
+          'self': 'draft_len', 'mtp': 'num_depths', 'dflash': 'block_size'}),
+      'batch_sizes': (1,),
+      'max_prompt_tokens': 0,      # > 0: keep only the last N prompt tokens
+      'prompt_bucket': 64,         # pad prompt widths to a multiple (fewer recompiles)
+      'hf_peer': True,             # time transformers generate on the same prompts
+      'hf': ml_collections.ConfigDict({
+          'dataset': 'humaneval',  # must be in `datasets`; T=0 and batch 1 must be swept
+          'num_prompts': 4,        # first N prompts of that dataset (<= num_prompts)
+          'prompt_lookup_num_tokens': 10,
+          'max_matching_ngram_size': 2,
+          'assistant_layers': 2,   # assistant = the target truncated to its first N layers
+          'num_assistant_tokens': 20,             # HF's defaults
+          'num_assistant_tokens_schedule': 'constant',
+          'assistant_confidence_threshold': 0.4,
+          'torch_threads': 0,      # 0: the fastest of 1..cpu_count (hf_peer.pick_torch_threads)
+      }),
+  })

@@ -1,0 +1,342 @@
+"""Benchmark outputs: atomic JSON, results.md tables, PNG plots, the docs/RESULTS.md section.
+
+`write_outputs` writes plots, meta.json and results.md first and results.json last, each to
+a temporary name then renamed (`dspec.files`), so a results.json only exists once a run has
+finished. Summaries and plots show, per method, the size with the best geometric-mean
+speedup over datasets at the smallest batch size (`best_sizes`; plots use T = 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from typing import Optional
+
+from dspec.files import write_atomic, write_json_atomic
+
+RESULTS = 'results.json'
+PARTIAL = 'results.partial.json'
+META = 'meta.json'
+MARKDOWN = 'results.md'
+PLOTS = {
+    'tau_histogram': 'tau_histogram.png',
+    'per_position_acceptance': 'per_position_acceptance.png',
+    'speedup_by_dataset': 'speedup_by_dataset.png',
+    'speedup_vs_batch': 'speedup_vs_batch.png',
+}
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  def write(tmp):
+    with open(tmp, 'w') as f:
+      f.write(text)
+  write_atomic(path, write)
+
+
+def remove_stale(out_dir: str) -> None:
+  """Creates `out_dir`; removes an earlier run's results.json so it cannot pass for this one."""
+  os.makedirs(out_dir, exist_ok=True)
+  for name in (RESULTS, PARTIAL):
+    if os.path.exists(os.path.join(out_dir, name)):
+      os.remove(os.path.join(out_dir, name))
+
+
+def machine_info() -> dict:
+  import jax
+  cpu = platform.processor()
+  if os.path.exists('/proc/cpuinfo'):
+    with open('/proc/cpuinfo') as f:
+      names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
+    cpu = names[0] if names else cpu
+  device = jax.devices()[0]
+  return {'cpu': cpu, 'cpu_count': os.cpu_count(), 'platform': platform.platform(),
+          'python': platform.python_version(), 'jax': jax.__version__,
+          'device': f'{device.platform}:{device.device_kind}'}
+
+
+def run_metadata(cfg, command: str, wall_s: float) -> dict:
+  return {'command': command,
+          'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+          'machine': machine_info(), 'wall_s': wall_s, 'config': cfg.to_dict()}
+
+
+def write_outputs(out_dir: str, rows: list, meta: dict) -> None:
+  """Plots, meta.json, results.md, then results.json (all atomic); drops the partial file."""
+  make_plots(rows, out_dir)
+  meta = dict(meta, plots=sorted(PLOTS.values()))
+  write_json_atomic(os.path.join(out_dir, META), meta)
+  write_text_atomic(os.path.join(out_dir, MARKDOWN), render_markdown(rows, meta))
+  write_json_atomic(os.path.join(out_dir, RESULTS), rows)
+  if os.path.exists(os.path.join(out_dir, PARTIAL)):
+    os.remove(os.path.join(out_dir, PARTIAL))
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def _dspec(rows) -> list:
+  return [r for r in rows if r.get('engine', 'dspec') == 'dspec']
+
+
+def _geomean(values) -> float:
+  values = [v for v in values if v and v > 0]
+  return math.exp(sum(map(math.log, values)) / len(values)) if values else float('nan')
+
+
+def _ordered(values) -> list:
+  return list(dict.fromkeys(values))
+
+
+def best_sizes(rows, temperature: float = 0.0, batch_size: Optional[int] = None) -> dict:
+  """{method: size} with the best geometric-mean speedup over datasets (AR excluded)."""
+  rows = _dspec(rows)
+  batch_size = batch_size or min(r['batch_size'] for r in rows)
+  picked = {}
+  for method in _ordered(r['method'] for r in rows if r['method'] != 'ar'):
+    sel = [r for r in rows if r['method'] == method and r['temperature'] == temperature
+           and r['batch_size'] == batch_size]
+    sizes = _ordered(r['block_size'] for r in sel)
+    if sizes:
+      picked[method] = max(sizes, key=lambda s: _geomean(
+          r['speedup'] for r in sel if r['block_size'] == s))
+  return picked
+
+
+def _pick(rows, method, size, temperature, batch_size) -> list:
+  return [r for r in _dspec(rows) if r['method'] == method and r['block_size'] == size
+          and r['temperature'] == temperature and r['batch_size'] == batch_size]
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def make_plots(rows: list, out_dir: str) -> None:
+  """The four PNGs of `PLOTS` (atomic writes)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  dspec_rows = _dspec(rows)
+  batch = min(r['batch_size'] for r in dspec_rows)
+  temps = _ordered(r['temperature'] for r in dspec_rows)
+  t0 = 0.0 if 0.0 in temps else temps[0]
+  datasets = _ordered(r['dataset'] for r in dspec_rows)
+  chosen = best_sizes(rows, t0, batch)
+  label = {m: f'{m} ({s})' for m, s in chosen.items()}
+
+  def save(fig, key):
+    def write(tmp):
+      fig.savefig(tmp, format='png', dpi=110)
+    write_atomic(os.path.join(out_dir, PLOTS[key]), write)
+    plt.close(fig)
+
+  # τ histogram: share of verify steps committing n tokens, pooled over datasets.
+  n = max(len(chosen), 1)
+  fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.2), squeeze=False, layout='constrained')
+  for ax, (method, size) in zip(axes[0], chosen.items()):
+    hists = [r['tau_histogram'] for r in _pick(rows, method, size, t0, batch)]
+    total = [sum(col) for col in zip(*hists)]
+    steps = max(sum(total), 1)
+    ax.bar(range(1, len(total) + 1), [c / steps for c in total])
+    ax.set_title(label[method])
+    ax.set_xlabel('tokens committed per step')
+  axes[0][0].set_ylabel('share of steps')
+  fig.suptitle(f'τ histogram (T={t0:g}, batch {batch}, all datasets)')
+  save(fig, 'tau_histogram')
+
+  # Per-position (unconditional) acceptance, one panel per dataset.
+  cols = min(4, len(datasets))
+  rows_n = -(-len(datasets) // cols)
+  fig, axes = plt.subplots(rows_n, cols, figsize=(3.6 * cols, 3.0 * rows_n), squeeze=False,
+                           layout='constrained')
+  for ax, dataset in zip(axes.flat, datasets):
+    for method, size in chosen.items():
+      for r in _pick(rows, method, size, t0, batch):
+        if r['dataset'] == dataset and r['per_position_acceptance']:
+          acc = r['per_position_acceptance']
+          ax.plot(range(1, len(acc) + 1), acc, marker='.', label=label[method])
+    ax.set_title(dataset, fontsize=9)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel('draft position')
+  for ax in list(axes.flat)[len(datasets):]:
+    ax.axis('off')
+  axes[0][0].set_ylabel('P(accepted)')
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  if handles:
+    fig.legend(handles, labels, loc='outside lower center', ncol=len(handles))
+  fig.suptitle(f'Per-position acceptance (T={t0:g}, batch {batch})')
+  save(fig, 'per_position_acceptance')
+
+  # Speedup per dataset and method (grouped bars).
+  fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(datasets)), 3.6), layout='constrained')
+  width = 0.8 / n
+  for k, (method, size) in enumerate(chosen.items()):
+    by_ds = {r['dataset']: r['speedup'] for r in _pick(rows, method, size, t0, batch)}
+    ax.bar([i + k * width for i in range(len(datasets))],
+           [by_ds.get(d, 0.0) for d in datasets], width, label=label[method])
+  ax.axhline(1.0, color='k', lw=0.8)
+  ax.set_xticks([i + width * (n - 1) / 2 for i in range(len(datasets))])
+  ax.set_xticklabels(datasets, rotation=30, ha='right', fontsize=8)
+  ax.set_ylabel('speedup vs AR')
+  ax.set_title(f'Speedup per dataset (T={t0:g}, batch {batch})')
+  if chosen:
+    ax.legend(fontsize=8)
+  save(fig, 'speedup_by_dataset')
+
+  # Speedup vs batch size: geometric mean over datasets.
+  fig, ax = plt.subplots(figsize=(5.5, 3.6), layout='constrained')
+  batches = sorted(_ordered(r['batch_size'] for r in dspec_rows))
+  for method, size in chosen.items():
+    for t, style in zip(temps, ('-', '--', ':')):
+      ys = [_geomean(r['speedup'] for r in _pick(rows, method, size, t, b)) for b in batches]
+      ax.plot(batches, ys, style, marker='o', label=f'{label[method]} T={t:g}')
+  ax.axhline(1.0, color='k', lw=0.8)
+  ax.set_xscale('log', base=2)
+  ax.set_xticks(batches)
+  ax.set_xticklabels([str(b) for b in batches])
+  ax.set_xlabel('batch size')
+  ax.set_ylabel('speedup vs AR (geo-mean over datasets)')
+  if chosen:
+    ax.legend(fontsize=7)
+  save(fig, 'speedup_vs_batch')
+
+
+# ------------------------------------------------------------------------------- markdown
+
+
+def _fmt(value, digits: int = 2) -> str:
+  if value is None:
+    return '–'
+  if isinstance(value, bool):
+    return 'yes' if value else 'no'
+  if isinstance(value, float):
+    return 'nan' if math.isnan(value) else f'{value:.{digits}f}'
+  return str(value)
+
+
+def _table(header: list, body: list) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  lines += ['| ' + ' | '.join(_fmt(v) for v in row) + ' |' for row in body]
+  return '\n'.join(lines)
+
+
+def summary_table(rows: list, temperature: float, batch_size: int) -> str:
+  """Spec-Bench leaderboard style: speedup per dataset, mean τ, geometric-mean speedup."""
+  datasets = _ordered(r['dataset'] for r in _dspec(rows))
+  body = []
+  for method, size in best_sizes(rows, temperature, batch_size).items():
+    sel = _pick(rows, method, size, temperature, batch_size)
+    by_ds = {r['dataset']: r['speedup'] for r in sel}
+    taus = [r['tau'] for r in sel]
+    body.append([f'{method} ({size})'] + [by_ds.get(d) for d in datasets]
+                + [sum(taus) / len(taus), _geomean(by_ds.values())])
+  return _table(['method (size)'] + [f'{d} speedup' for d in datasets]
+                + ['mean τ', 'overall speedup'], body)
+
+
+def _header(meta: dict) -> str:
+  m = meta['machine']
+  return '\n'.join([
+      f'- Command: `{meta["command"]}`',
+      f'- Machine: {m["cpu"]}, {m["cpu_count"]} cores, {m["device"]}, {m["platform"]}, '
+      f'Python {m["python"]}, jax {m["jax"]}',
+      f'- Date: {meta["date"]}; wall time {meta["wall_s"] / 60:.1f} min',
+  ])
+
+
+def _settings(meta: dict) -> str:
+  c = meta['config']
+  b, model = c['bench'], c['model']
+  where = (model['path'] if model['source'] != 'random'
+           else f'random {model["shape"]["num_layers"]}-layer target')
+  cut = f' (last {b["max_prompt_tokens"]} prompt tokens kept)' if b['max_prompt_tokens'] else ''
+  return (f'Target: {where}. {b["num_prompts"]} prompts per dataset{cut}, '
+          f'max_new_tokens={c["max_new_tokens"]}, warm-up + median of {c["timing_repeats"]} '
+          f'timed runs per batch; speedup = AR decode time / method decode time in the same '
+          f'process (token-rate ratio at T > 0).')
+
+
+def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
+  dspec_rows = _dspec(rows)
+  batch = min(r['batch_size'] for r in dspec_rows)
+  parts = []
+  for t in _ordered(r['temperature'] for r in dspec_rows):
+    parts += [f'{heading} Speedup summary, T={t:g}, batch {batch}', '',
+              summary_table(rows, t, batch), '']
+  lossy = [r for r in dspec_rows if r['temperature'] == 0 and r['lossless_fraction'] != 1.0]
+  verdict = f'{len(lossy)} T=0 rows below 1.0' if lossy else 'every T=0 row is 1.0'
+  parts += [f'Greedy losslessness (lossless_fraction): {verdict}.', '']
+  peer = meta.get('peer')
+  if peer:
+    parts += [f'{heading} Peer: transformers generate (CPU, {peer["torch_threads"]} torch '
+              f'threads, {peer["dataset"]}, {peer["num_prompts"]} prompts, T=0, batch 1)', '']
+    hf_rows = [r for r in rows if r.get('engine') == 'transformers']
+    parts += [_table(['method', 'K', 'tokens/s', 'speedup vs HF AR', 'dspec counterpart tok/s',
+                      'dspec / HF', 'same output as reference'],
+                     [[r['method'], r['block_size'], r['tokens_per_s'], r['speedup'],
+                       r['dspec_tokens_per_s'], r['dspec_over_hf'], r['lossless_fraction']]
+                      for r in hf_rows]), '']
+    best = peer['dspec_best']
+    parts += [
+        f'- AR: dspec {peer["dspec_ar_tokens_per_s"]:.1f} tok/s vs HF '
+        f'{peer["hf_ar_tokens_per_s"]:.1f} tok/s → ratio {peer["ar_ratio"]:.2f} '
+        f'(goal ≥ 1: {"met" if peer["goal_ar"] else "not met"}).',
+        f'- Best speculative: dspec '
+        + (f'{best["method"]} ({best["block_size"]}) {best["speedup"]:.2f}×, '
+           f'{best["tokens_per_s"]:.1f} tok/s' if best else 'none')
+        + f' vs HF {peer["hf_best"]["method"]} {peer["hf_best"]["speedup"]:.2f}×, '
+        f'{peer["hf_best"]["tokens_per_s"]:.1f} tok/s → speedup ratio '
+        f'{_fmt(peer["best_speedup_ratio"])}, tokens/s ratio '
+        f'{_fmt(peer["best_tokens_per_s_ratio"])} (goal speedup ratio ≥ 2: '
+        f'{"met" if peer["goal_speculative"] else "not met"}).',
+        f'- HF assistant model: {peer["assistant"]}; HF AR "same output" compares with '
+        f'dspec AR, the others with HF AR.', '']
+  parts += [f'{heading} Entropy and speed-of-light bound per dataset', '',
+            'μ = mean next-token entropy (nats) of the target along its AR outputs, μ₂ = mean '
+            'Σp(log p)²; bound(P) = min(P, 1 + (μ+μ₂)·ln P/μ²) (`dspec/bench/sol.py`). At T=0 '
+            'the T=1 distribution along the greedy outputs is used.', '',
+            _table(['dataset', 'T', 'μ', 'μ₂', 'mean H²', 'tokens', 'bound P=4', 'bound P=8',
+                    'bound P=16'],
+                   [[e['dataset'], e['temperature'], e['entropy_mu'], e['entropy_mu2'],
+                     e['entropy_h2'], e['entropy_tokens']]
+                    + [_bound(e, p) for p in (4, 8, 16)] for e in meta.get('entropy', [])]), '']
+  if meta.get('skipped'):
+    parts += ['Skipped methods: ' + '; '.join(f'{m} ({why})'
+                                              for m, why in meta['skipped'].items()), '']
+  parts += [f'{heading} Plots', '']
+  parts += [f'![{key}]({os.path.join(image_dir, name) if image_dir else name})'
+            for key, name in PLOTS.items()]
+  parts += ['', f'{heading} All runs', '', _table(
+      ['dataset', 'method', 'T', 'batch', 'size', 'τ', 'α', 'speedup', 'tok/s', 'AR tok/s',
+       'lossless', 'SOL bound', 'compile s'],
+      [[r['dataset'], r['method'], r['temperature'], r['batch_size'], r['block_size'],
+        r['tau'], r['acceptance_rate'], r['speedup'], r['tokens_per_s'], r['ar_tokens_per_s'],
+        r['lossless_fraction'], r['sol_bound'], r['compile_s']] for r in dspec_rows]), '']
+  return parts
+
+
+def _bound(entropy: dict, width: int) -> float:
+  from dspec.bench.sol import sol_bound
+  return sol_bound(entropy['entropy_mu'], entropy['entropy_mu2'], width)
+
+
+def render_markdown(rows: list, meta: dict, image_dir: str = '') -> str:
+  """results.md: run header, summaries, peer, entropy, plots and every run."""
+  return '\n'.join(['# dspec benchmark', '', _header(meta), '', _settings(meta), '']
+                   + _body(rows, meta, image_dir, '##'))
+
+
+def render_results_section(out_dir: str, docs_dir: str = 'docs',
+                           title: Optional[str] = None) -> str:
+  """A docs/RESULTS.md section for the finished run in `out_dir` (plots linked relatively)."""
+  with open(os.path.join(out_dir, RESULTS)) as f:
+    rows = json.load(f)
+  with open(os.path.join(out_dir, META)) as f:
+    meta = json.load(f)
+  title = title or f'Benchmark: {os.path.basename(os.path.normpath(out_dir))}'
+  image_dir = os.path.relpath(out_dir, docs_dir)
+  return '\n'.join([f'## {title}', '', _header(meta), '', _settings(meta), '']
+                   + _body(rows, meta, image_dir, '###'))

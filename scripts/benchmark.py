@@ -1,0 +1,48 @@
+"""Benchmark datasets × methods × sweep against AR: python scripts/benchmark.py --config=...
+
+  python scripts/benchmark.py --config=configs/bench_demo.py:quick --out_dir=runs/bench_quick
+  python scripts/benchmark.py --config=configs/bench_tiny.py --out_dir=/tmp/bench_tiny
+  python scripts/benchmark.py --render=runs/bench_quick   # docs/RESULTS.md section to stdout
+
+Writes DIR/results.json (one row per dataset × method × temperature × batch × size, plus the
+transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (DESIGN §8); results.json
+appears only when the run finished. Library code: dspec/bench/harness.py.
+"""
+
+import os
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from dspec import cli  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_demo.py',
+                                          'Benchmark config file.', lock_config=True)
+_OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory for results and plots.')
+_RENDER = flags.DEFINE_string('render', None, 'Print the docs/RESULTS.md section of a '
+                              'finished run directory and exit.')
+_DOCS_DIR = flags.DEFINE_string('docs_dir', 'docs', 'Plot links are relative to this (--render).')
+
+
+def main(argv):
+  del argv
+  from dspec.bench import harness, report  # heavy imports after flag parsing
+  if _RENDER.value:
+    if not os.path.exists(os.path.join(_RENDER.value, report.RESULTS)):
+      raise cli.UserError(f'{_RENDER.value} has no {report.RESULTS} (unfinished run?)')
+    print(report.render_results_section(_RENDER.value, _DOCS_DIR.value))
+    return
+  if not _OUT_DIR.value:
+    raise cli.UserError('give --out_dir=DIR')
+  command = 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
+  rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command)
+  print(f'{len(rows)} rows -> {os.path.join(_OUT_DIR.value, report.RESULTS)}, '
+        f'{report.MARKDOWN}, plots')
+
+
+if __name__ == '__main__':
+  cli.run(main)
