@@ -33,6 +33,8 @@ def _parse_ids(text: str) -> list:
 
 def main(argv):
   del argv
+  from dspec import sharding
+  sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec.decoding import runner  # heavy imports after flag parsing
   cfg = _CONFIG.value
   if _PROMPT_IDS.value is not None and _PROMPT.value:

@@ -22,6 +22,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Output dir (default: training.w
 
 def main(argv):
   del argv
+  from dspec import sharding
+  sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec.training import tasks  # heavy imports after flag parsing
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or cfg.training.workdir or os.path.join(

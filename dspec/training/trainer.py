@@ -58,7 +58,8 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   if placement:
     params, rest = placement.put_params(params), placement.put_params(rest)
     frozen = sharding.place_tree(frozen, placement)
-  opt_state = optimizer.init(params)
+  opt_state = placement.init_sharded(optimizer.init, params) if placement else \
+      optimizer.init(params)
 
   ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, 'checkpoints'),
                                       max_to_keep=2)

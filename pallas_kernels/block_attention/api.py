@@ -13,6 +13,11 @@ Backends:
 A Pallas backend that cannot run (wrong platform, unsupported dtype or tile
 size) logs one warning per reason and falls back to ``'xla'``.
 
+Under an active mesh (``jax.set_mesh``, see ``dspec/sharding.py``) a Pallas
+call is wrapped in ``jax.shard_map``: batch over the ``data``/``fsdp`` axes and
+heads over ``tensor`` where they divide, so each device runs the kernel on its
+own rows and heads (kv-seq is never split).
+
 Gradients: ``jax.custom_vjp`` around the Pallas forward kernel, with Pallas
 backward kernels (dq, and dk/dv) that recompute probabilities from the saved
 logsumexp and visit only non-empty tiles, like the forward pass.
@@ -22,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from absl import logging
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.block_attention import kernel_gpu
 from pallas_kernels.block_attention import kernel_tpu
@@ -110,6 +117,22 @@ def _platform_backend() -> str:
   return {'tpu': 'pallas_tpu', 'gpu': 'pallas_gpu'}.get(_platform(), 'xla')
 
 
+def _shard_axes(batch: int, num_heads: int, num_kv_heads: int):
+  """(batch axes, head axes) of the active mesh to split a kernel call over."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return (), ()
+  free = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+          if t != jax.sharding.AxisType.Manual and mesh.shape[n] > 1}
+
+  def fit(names, *dims):
+    axes = tuple(n for n in names if n in free)
+    size = math.prod(mesh.shape[a] for a in axes)
+    return axes if axes and all(d % size == 0 for d in dims) else ()
+
+  return fit(('data', 'fsdp'), batch), fit(('tensor',), num_heads, num_kv_heads)
+
+
 def block_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     mask: masks_lib.AttentionMask, offsets=None, *,
                     implementation: str | None = None,
@@ -168,9 +191,6 @@ def block_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, mask, offsets, scale)
 
   block_q, block_kv = tiles
-  offsets_B = mask.prepare_offsets(offsets, batch, q_len)
-  info = mask_info_lib.build_block_info(mask, offsets_B, q_len, kv_len,
-                                        block_q, block_kv)
   if backend == 'pallas_gpu':
     padded_dim = max(16, _next_pow2(head_dim))
   else:
@@ -178,10 +198,21 @@ def block_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   q_pad = _round_up(q_len, block_q) - q_len
   kv_pad = _round_up(kv_len, block_kv) - kv_len
   d_pad = padded_dim - head_dim
-  q = jnp.pad(q_BTHD, ((0, 0), (0, q_pad), (0, 0), (0, d_pad)))
-  k = jnp.pad(k_BSKD, ((0, 0), (0, kv_pad), (0, 0), (0, d_pad)))
-  v = jnp.pad(v_BSKD, ((0, 0), (0, kv_pad), (0, 0), (0, d_pad)))
   config = _Config(backend=backend, scale=float(scale), block_q=block_q,
                    block_kv=block_kv, interpret=bool(interpret))
-  out = _pallas_attention(q, k, v, info, config)
-  return out[:, :q_len, :, :head_dim]
+
+  def run(q, k, v, offsets_B):
+    info = mask_info_lib.build_block_info(mask, offsets_B, q_len, kv_len,
+                                          block_q, block_kv)
+    q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, d_pad)))
+    k = jnp.pad(k, ((0, 0), (0, kv_pad), (0, 0), (0, d_pad)))
+    v = jnp.pad(v, ((0, 0), (0, kv_pad), (0, 0), (0, d_pad)))
+    return _pallas_attention(q, k, v, info, config)[:, :q_len, :, :head_dim]
+
+  offsets_B = mask.prepare_offsets(offsets, batch, q_len)
+  batch_axes, head_axes = _shard_axes(batch, num_heads, num_kv_heads)
+  if batch_axes or head_axes:
+    spec = P(batch_axes or None, None, head_axes or None, None)
+    run = jax.shard_map(run, in_specs=(spec, spec, spec, P(batch_axes or None)),
+                        out_specs=spec, check_vma=False)
+  return run(q_BTHD, k_BSKD, v_BSKD, offsets_B)

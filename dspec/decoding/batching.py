@@ -1,0 +1,154 @@
+"""Continuous batching: a request queue refills the rows of finished sequences.
+
+A static batch (`engine.generate`) keeps every row in the compiled shape until the last
+one finishes: done rows stop writing (no tokens, no cache growth, no drafter update) but
+still ride along in every verify forward, so a batch whose lengths differ wastes work.
+`serve` keeps the shape and the compiled programs, and instead puts a new request into a
+row as soon as it finishes:
+
+  1. prefill the first `batch_size` requests (prompts padded to one width, so one
+     buffer length and one compiled step serve every request);
+  2. run engine steps on device until some row finishes (or `steps_per_sync` steps);
+  3. read back the finished rows, then prefill each waiting request alone (batch 1) and
+     write its state into the freed row: every leaf of the decode state whose
+     shape-suffix name has a `B` axis (tokens, lengths, KV caches, drafter caches, stats)
+     takes the new row; scalars (step, key, sampling values) are shared.
+
+Outputs are per request and lossless as with `generate` (each row is its own sequence;
+at T > 0 a refilled row draws from the batch's key stream, still an exact sample).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import List, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.sharding import path_str, suffix_axes
+
+
+def _batch_axis(path, x):
+  """Index of the batch axis of a state leaf (by its suffix name), or None (shared)."""
+  axes = suffix_axes(path_str(path).rpartition('/')[2], x.ndim)
+  if axes is None and x.ndim:
+    raise ValueError(f'cannot refill rows: state leaf {path_str(path)!r} has no '
+                     'shape-suffix name telling its batch axis')
+  return axes.index('batch') if axes and 'batch' in axes else None
+
+
+def _insert_row(state, row_state, row):
+  """`state` with batch row `row` replaced by the (batch-1) `row_state`."""
+  def put(path, x, y):
+    axis = _batch_axis(path, x)
+    if axis is None:
+      return x
+    return jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), row, axis)
+  return jax.tree_util.tree_map_with_path(put, state, row_state)
+
+
+_jit_insert = jax.jit(_insert_row, donate_argnums=0)
+
+
+def _until_a_row_finishes(engine, target_params, drafter_params, state, num_steps):
+  """Steps until a live row finishes, every row is done, or `num_steps` steps ran."""
+  stop, done0 = state.step + num_steps, state.done_B
+  return jax.lax.while_loop(
+      lambda st: (st.step < stop) & ~jnp.any(st.done_B & ~done0) & ~jnp.all(st.done_B),
+      lambda st: engine.step_fn(target_params, drafter_params, st),
+      state)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_run(engine: SpeculativeEngine):
+  """The jitted loop for one engine (a closure: no per-call hashing of the engine)."""
+  return jax.jit(functools.partial(_until_a_row_finishes, engine), donate_argnums=2)
+
+
+def serve(engine: SpeculativeEngine, target_params, drafter_params,
+          requests: Sequence[Sequence[int]], batch_size: int, *, max_new_tokens: int,
+          temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+          steps_per_sync: int = 64) -> dict:
+  """Decodes every request (token-id prompts) with `batch_size` rows, refilling rows.
+
+  Returns {'outputs': generated ids per request (request order), 'accepted',
+  'proposed', 'steps' (per request), 'decode_s', 'row_steps', 'live_row_steps'}:
+  row_steps counts rows × steps run, live_row_steps only rows that were decoding.
+  """
+  if not requests or batch_size < 1:
+    raise ValueError('serve needs at least one request and batch_size >= 1')
+  width = max(len(r) for r in requests)
+  if min(len(r) for r in requests) < 1:
+    raise ValueError('serve: empty prompt')
+
+  def padded(rows):
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+      out[i, :len(r)] = r
+    return out, np.array([len(r) for r in rows], np.int32)
+
+  kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+  first = list(range(min(batch_size, len(requests))))
+  rows = [requests[i] for i in first] + [requests[0]] * (batch_size - len(first))
+  state = engine.prefill(target_params, drafter_params, *padded(rows), **kw)
+  # Padding rows (fewer requests than rows) start out done.
+  state = state.replace(done_B=state.done_B | (jnp.arange(batch_size) >= len(first)))
+  slot = first + [None] * (batch_size - len(first))
+  queue = list(range(len(first), len(requests)))
+  n = len(requests)
+  result = {'outputs': [None] * n, 'accepted': [0] * n, 'proposed': [0] * n,
+            'steps': [0] * n}
+  row_steps = live_row_steps = 0
+  run = _compiled_run(engine)
+  t0 = time.perf_counter()
+  while True:
+    step_before = int(state.step)
+    state = run(target_params, drafter_params, state, jnp.asarray(steps_per_sync, jnp.int32))
+    done, tokens, nums, lens, steps, acc, prop, step = jax.device_get((
+        state.done_B, state.tokens_BL, state.num_tokens_B, state.prompt_len_B,
+        state.stats.steps_B, state.stats.accepted_B, state.stats.proposed_B, state.step))
+    row_steps += batch_size * (int(step) - step_before)
+    for r in range(batch_size):
+      if slot[r] is None or not done[r]:
+        continue
+      i, slot[r] = slot[r], None
+      result['outputs'][i] = tokens[r, lens[r]:nums[r]].tolist()
+      result['steps'][i], result['accepted'][i] = int(steps[r]), int(acc[r])
+      result['proposed'][i] = int(prop[r])
+      live_row_steps += int(steps[r])
+      if queue:
+        j = queue.pop(0)
+        row_state = engine.prefill(target_params, drafter_params, *padded([requests[j]]),
+                                   **kw)
+        state = _jit_insert(state, row_state, r)
+        slot[r] = j
+    if all(s is None for s in slot):
+      break
+  result.update(decode_s=time.perf_counter() - t0, row_steps=row_steps,
+                live_row_steps=live_row_steps)
+  return result
+
+
+def static_batches(engine: SpeculativeEngine, target_params, drafter_params,
+                   requests: Sequence[Sequence[int]], batch_size: int,
+                   **kw) -> List[List[int]]:
+  """The reference: consecutive static batches through `engine.generate` (ids per
+  request), e.g. to compare with `serve`."""
+  outs = []
+  width = max(len(r) for r in requests)
+  for s in range(0, len(requests), batch_size):
+    rows = list(requests[s:s + batch_size])
+    prompt_BP = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+      prompt_BP[i, :len(r)] = r
+    lens = np.array([len(r) for r in rows], np.int32)
+    state = engine.generate(target_params, drafter_params,
+                            engine.prefill(target_params, drafter_params, prompt_BP, lens,
+                                           **kw))
+    tokens, nums = jax.device_get((state.tokens_BL, state.num_tokens_B))
+    outs += [tokens[i, lens[i]:nums[i]].tolist() for i in range(len(rows))]
+  return outs

@@ -1,0 +1,433 @@
+"""Load-aware verify-length controller: per decision, pick γ from a few compiled tiers.
+
+Speculation pays at low load and costs at high load: a verify of γ+1 tokens per row is
+nearly free when decoding is memory-bound (batch 1) and costs ~γ+1 times an AR step once
+it is compute-bound (large batch, CPU). Following SGLang's adaptive mode (one compiled
+program per tier) and DSpark's load-aware scheduler (maximise τ × steps/s), the
+controller keeps
+
+  * an online estimate of the conditional acceptance α_rj of draft position j for every
+    row r (EMA of the engine's per-row accepted-count histogram, shrunk towards the pooled
+    batch estimate; positions never verified yet take the last verified one's value);
+  * a step-cost table cost(B, γ) in seconds, profiled at start-up by timing each tier's
+    step on the real state (or loaded from a JSON file written by `CostTable.save`);
+
+and before every decision chooses the tier maximising expected committed tokens per second
+
+  E(γ) = Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r) / cost(B, γ),
+
+staying at AR unless the best tier beats it by `margin` (estimates are noisy; near-ties
+are not worth leaving the AR floor for).
+
+Tier 0 is plain AR (the drafter proposes nothing; its state is still updated so it stays
+in sync). Every tier runs the same verified speculative step, so the output is lossless by
+construction: greedy output equals AR, token for token. Acceptance is also learnt while
+verifying less than the largest tier, or nothing: when the largest tier's proposal is
+cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
+chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified);
+the first chunk then runs AR, so the first choice already rests on evidence.
+For costly drafters the controller instead probes the smallest positive tier every
+`probe_every` steps at tier 0 (the interval doubles while probes do not pay).
+
+Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
+the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR;
+up to `max_steps_per_decision`) to amortise the host round trip (at tier 0 with shadow
+drafts only after `shadow_warmup` samples, so the first evidence comes quickly). Drafters
+are rebuilt per tier with `num_draft = γ` (ngram, oracle, self, MTP) or `block_size = γ +
+1` (DFlash); when the rebuilt drafter's state differs from the largest tier's (MTP caches
+one layer per depth) the largest tier's drafter is used with its proposal truncated to γ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspec import files
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.sampling import SamplingSpec
+from dspec.decoding.state import DecodeStats, Proposal
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+  """Knobs of the controller (hashable)."""
+
+  tiers: Tuple[int, ...] = (0, 1, 3, 7, 15)
+  steps_per_decision: int = 4       # steps per decision (one host sync each)
+  max_steps_per_decision: int = 64  # chunk cap while the tier does not change
+  margin: float = 0.05              # speculate only when predicted >= (1 + margin) × AR
+  ema: float = 0.8                  # weight of the past in the acceptance counts
+  prior: float = 0.5                # conditional acceptance before any evidence
+  prior_weight: float = 2.0         # pseudo-steps pulling a row towards the pooled estimate
+  probe_every: int = 32             # steps at tier 0 before probing a positive tier
+  max_probe_every: int = 512
+  profile_steps: int = 8            # steps timed per tier at start-up
+  profile_repeats: int = 3          # timed rounds over the tiers (after a compile round)
+  shadow_budget: float = 0.1        # shadow-propose when it costs < this × a chunk
+  shadow_warmup: int = 2            # short tier-0 chunks until this many shadow samples
+
+  def __post_init__(self):
+    if not self.tiers or sorted(set(self.tiers)) != list(self.tiers) or self.tiers[0] < 0:
+      raise ValueError(f'controller tiers must be sorted, distinct and >= 0, got {self.tiers}')
+    if not 0.0 <= self.ema < 1.0 or not 0.0 < self.prior <= 1.0:
+      raise ValueError(f'controller needs 0 <= ema < 1 and 0 < prior <= 1, got '
+                       f'{self.ema}, {self.prior}')
+    if self.steps_per_decision < 1 or self.max_steps_per_decision < self.steps_per_decision:
+      raise ValueError('controller needs 1 <= steps_per_decision <= max_steps_per_decision')
+
+
+# ---------------------------------------------------------------------------- tiers
+
+@dataclasses.dataclass(frozen=True)
+class TierDrafter:
+  """`inner` (state, update, taps) proposing at most `num_draft` of its tokens."""
+
+  inner: Any
+  num_draft: int
+
+  @property
+  def taps(self):
+    return self.inner.taps
+
+  def init(self, params, target, ctx, prefill_out):
+    return self.inner.init(params, target, ctx, prefill_out)
+
+  def propose(self, params, state, target, ctx, key):
+    b = ctx.tokens_BL.shape[0]
+    if self.num_draft == 0:
+      return Proposal(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32))
+    p = self.inner.propose(params, state, target, ctx, key)
+    g = self.num_draft
+    return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
+                    None if p.q_BGV is None else p.q_BGV[:, :g])
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return self.inner.update(params, state, target, ctx, verify_out, start_B,
+                             num_accepted_B)
+
+  def check_target(self, target_cfg):
+    return self.inner.check_target(target_cfg)
+
+
+def resize_drafter(drafter, gamma: int):
+  """`drafter` rebuilt to propose `gamma` tokens, or None when it cannot."""
+  if not dataclasses.is_dataclass(drafter):
+    return None
+  names = {f.name for f in dataclasses.fields(drafter)}
+  try:
+    if 'num_draft' in names:
+      return dataclasses.replace(drafter, num_draft=gamma)
+    if 'block_size' in names:
+      return dataclasses.replace(drafter, block_size=gamma + 1)
+  except ValueError:
+    return None
+  return None
+
+
+# ------------------------------------------------------------------------ cost table
+
+class CostTable:
+  """Seconds per engine step for each (batch size, tier); JSON round-trips."""
+
+  def __init__(self, costs: Optional[Dict[Tuple[int, int], float]] = None,
+               propose: Optional[Dict[int, float]] = None, meta=None):
+    self.costs = dict(costs or {})
+    self.propose = dict(propose or {})   # batch -> seconds of the largest tier's proposal
+    self.meta = dict(meta or {})
+
+  def has(self, batch: int, tiers) -> bool:
+    return batch in self.propose and all((batch, g) in self.costs for g in tiers)
+
+  def __getitem__(self, key) -> float:
+    return self.costs[key]
+
+  def save(self, path: str) -> None:
+    rows = {}
+    for (b, g), c in sorted(self.costs.items()):
+      rows.setdefault(str(b), {})[str(g)] = c
+    files.write_json_atomic(path, {
+        'seconds_per_step': rows, 'meta': self.meta,
+        'propose_seconds': {str(b): c for b, c in sorted(self.propose.items())}})
+
+  @classmethod
+  def load(cls, path: str) -> 'CostTable':
+    try:
+      with open(path) as f:
+        data = json.load(f)
+      costs = {(int(b), int(g)): float(c)
+               for b, row in data['seconds_per_step'].items() for g, c in row.items()}
+      propose = {int(b): float(c) for b, c in data.get('propose_seconds', {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f'bad step-cost table {path}: {e}') from e
+    return cls(costs, propose, data.get('meta'))
+
+
+# ------------------------------------------------------------------ acceptance model
+
+class AcceptanceEstimate:
+  """Per-row EMA counts of conditional acceptance at draft positions 1..G."""
+
+  def __init__(self, batch: int, max_gamma: int, cfg: ControllerConfig):
+    self.cfg = cfg
+    self.num_BG = np.zeros((batch, max_gamma))
+    self.den_BG = np.zeros((batch, max_gamma))
+
+  def _add(self, num_BG, den_BG) -> None:
+    """EMA update of the positions that got evidence (others keep their counts)."""
+    g = num_BG.shape[1]
+    decay = np.where(den_BG > 0, self.cfg.ema, 1.0)
+    self.num_BG[:, :g] = decay * self.num_BG[:, :g] + num_BG
+    self.den_BG[:, :g] = decay * self.den_BG[:, :g] + den_BG
+
+  def observe(self, delta_hist_BG1: np.ndarray, gamma: int) -> None:
+    """Adds the accepted-count histogram of steps run at tier `gamma`."""
+    if gamma == 0:
+      return
+    h = delta_hist_BG1[:, :gamma + 1].astype(np.float64)
+    at_least = np.cumsum(h[:, ::-1], axis=1)[:, ::-1]         # [B, γ+1]: steps with n >= j
+    self._add(at_least[:, 1:], at_least[:, :-1])
+
+  def observe_shadow(self, accepted_B: np.ndarray, judged_B: np.ndarray) -> None:
+    """Adds one unverified proposal per row: `accepted_B` leading drafts matched the
+    committed tokens, out of `judged_B` positions that could be compared."""
+    j = np.arange(1, self.num_BG.shape[1] + 1)[None, :]
+    judged = j <= judged_B[:, None]
+    self._add((judged & (accepted_B[:, None] >= j)).astype(np.float64),
+              (judged & (accepted_B[:, None] >= j - 1)).astype(np.float64))
+
+  def conditional(self) -> np.ndarray:
+    """α_rj [B, G]: row counts shrunk to the pooled estimate (prior where unseen,
+    extrapolated from the last verified position beyond it)."""
+    w = self.cfg.prior_weight
+    pool_num, pool_den = self.num_BG.sum(0), self.den_BG.sum(0)
+    pool = (pool_num + w * self.cfg.prior) / (pool_den + w)
+    seen = np.nonzero(pool_den > 0)[0]
+    if len(seen):
+      pool[seen[-1] + 1:] = pool[seen[-1]]
+    return (self.num_BG + w * pool) / (self.den_BG + w)
+
+
+def expected_tokens(alpha_BG: np.ndarray, gamma: int, live_B: np.ndarray,
+                    remaining_B: np.ndarray) -> float:
+  """Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r)."""
+  tokens_B = 1.0 + np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
+  return float(np.sum(np.minimum(tokens_B, remaining_B) * live_B))
+
+
+# ------------------------------------------------------------------------ controller
+
+def _chunk_fn(engine: SpeculativeEngine, target_params, drafter_params, state, num_steps):
+  """Up to `num_steps` engine steps (fewer once every row is done)."""
+  stop = state.step + num_steps
+  return jax.lax.while_loop(
+      lambda st: (st.step < stop) & ~jnp.all(st.done_B),
+      lambda st: engine.step_fn(target_params, drafter_params, st),
+      state)
+
+
+def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
+  """What the largest tier would propose now: (tokens [B, G], count [B], start [B])."""
+  target = nnx.merge(engine.target_graphdef, target_params)
+  p = engine.drafter.propose(drafter_params, state.drafter_state, target,
+                             engine.context(state), jax.random.key(0))
+  return p.tokens_BG, p.num_proposed_B, state.num_tokens_B
+
+
+@jax.jit
+def _shadow_match(tokens_BL, num_tokens_B, draft_BG, num_proposed_B, start_B):
+  """(leading drafts equal to the tokens committed since, positions comparable)."""
+  b, g = draft_BG.shape
+  j = jnp.arange(g)[None, :]
+  committed_BG = tokens_BL[jnp.arange(b)[:, None],
+                           jnp.clip(start_B[:, None] + j, 0, tokens_BL.shape[1] - 1)]
+  judged_B = jnp.minimum(num_tokens_B - start_B, g)
+  ok = (committed_BG == draft_BG) & (j < num_proposed_B[:, None]) & (j < judged_B[:, None])
+  return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), judged_B
+
+
+class VerifyLengthController:
+  """Drop-in for a SpeculativeEngine in `runner.run_generation`: `prefill` then
+  `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s)."""
+
+  def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
+               stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
+               cost_table: Optional[CostTable] = None):
+    self.config = config
+    self.drafter = drafter
+    self.costs = cost_table or CostTable()
+    tiers = {}
+    for g in config.tiers:
+      d = TierDrafter(drafter, 0) if g == 0 else resize_drafter(drafter, g)
+      if d is not None:
+        tiers[g] = d
+    if len(tiers) < 2 or 0 not in tiers:
+      raise ValueError(f'controller: drafter {type(drafter).__name__} supports too few of '
+                       f'the tiers {config.tiers} (need 0 and one positive tier)')
+    self.max_gamma = max(tiers)
+    self._make = lambda d: SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
+                                             stop_ids=stop_ids)
+    self._set_engines({g: self._make(d) for g, d in tiers.items()})
+    self.last_trace = []
+    self._checked = False
+
+  def _set_engines(self, engines):
+    """Engines per tier and their jitted chunk / shadow programs. Built once as closures:
+    hashing an engine (its graphdef) as a static jit argument costs ~1 ms per call."""
+    self.engines = engines
+    self._chunk = {g: jax.jit(functools.partial(_chunk_fn, e), donate_argnums=2)
+                   for g, e in engines.items()}
+    self._shadow = jax.jit(functools.partial(_shadow_fn, engines[self.max_gamma]))
+
+  @property
+  def tiers(self) -> Tuple[int, ...]:
+    return tuple(sorted(self.engines))
+
+  @property
+  def num_draft(self) -> int:
+    return self.max_gamma
+
+  def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
+    return self.engines[self.max_gamma].buffer_len(prompt_len, max_new_tokens)
+
+  # --------------------------------------------------------------------- set-up
+
+  def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
+    """The largest tier's prefill, with stats wide enough for every tier."""
+    state = self.engines[self.max_gamma].prefill(target_params, drafter_params, prompt_BP,
+                                                 prompt_len_B, **kw)
+    if not self._checked:
+      self._share_state(target_params, drafter_params, prompt_BP.shape, state)
+    stats = DecodeStats.zeros(state.tokens_BL.shape[0], self.max_gamma)
+    return state.replace(stats=jax.tree.map(lambda x: x.copy(), stats))  # distinct buffers
+
+  def _share_state(self, target_params, drafter_params, prompt_shape, state):
+    """Tiers whose rebuilt drafter keeps a different state truncate the largest one."""
+    ref = self.engines[self.max_gamma].drafter
+    engines = dict(self.engines)
+    for g, engine in self.engines.items():
+      if g not in (0, self.max_gamma) and not _same_state(
+          engine, target_params, drafter_params, prompt_shape, state):
+        engines[g] = self._make(TierDrafter(ref, g))
+    engines[0] = self._make(TierDrafter(ref, 0))
+    self._set_engines(engines)
+    self._checked = True
+
+  def profile(self, target_params, drafter_params, state) -> CostTable:
+    """Times every tier's step on copies of `state` (compiling first), and the largest
+    tier's proposal alone; fills the table."""
+    b = state.tokens_BL.shape[0]
+    steps = jnp.asarray(self.config.profile_steps, jnp.int32)
+    propose = lambda: self._shadow(target_params, drafter_params, state)
+    jax.block_until_ready(propose())
+    t0 = time.perf_counter()
+    jax.block_until_ready([propose() for _ in range(self.config.profile_steps)])
+    self.costs.propose[b] = (time.perf_counter() - t0) / self.config.profile_steps
+    best = {}
+    for r in range(self.config.profile_repeats + 1):   # round 0 compiles; rounds
+      for g in self.tiers:                             # interleave tiers against drift
+        copy = jax.tree.map(lambda x: x.copy(), state)
+        t0 = time.perf_counter()
+        out = self._chunk[g](target_params, drafter_params, copy, steps)
+        done = max(int(out.step - state.step), 1)
+        if r:
+          best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
+    self.costs.costs.update({(b, g): c for g, c in best.items()})
+    self.costs.meta.update(buffer_len=int(state.tokens_BL.shape[1]))
+    return self.costs
+
+  # --------------------------------------------------------------------- decoding
+
+  def choose(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B) -> int:
+    """The tier of highest predicted tokens/s; AR unless a tier beats it by `margin`
+    (the estimates are noisy: near-ties are not worth leaving the AR floor for)."""
+    alpha = estimate.conditional()
+    scores = {g: expected_tokens(alpha, g, live_B, remaining_B) / self.costs[batch, g]
+              for g in self.tiers}
+    best = max(scores, key=scores.get)
+    return best if scores[best] >= (1.0 + self.config.margin) * scores[0] else 0
+
+  def generate(self, target_params, drafter_params, state):
+    """Runs chunks of steps until every row is done, re-choosing the tier each time.
+
+    When the largest tier's proposal is cheap (`shadow_budget`), it is made before every
+    chunk and compared with the tokens the chunk commits: acceptance evidence at every
+    position even while running AR. Otherwise tier 0 probes the smallest positive tier.
+    """
+    cfg = self.config
+    b = state.tokens_BL.shape[0]
+    if not self.costs.has(b, self.tiers):
+      self.profile(target_params, drafter_params, state)
+    shadow = self.costs.propose[b] <= cfg.shadow_budget * cfg.steps_per_decision * \
+        self.costs[b, 0]
+    estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
+    hist, done, num, prompt_len, max_new = jax.device_get((
+        state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
+        state.max_new_tokens))
+    trace, prev, chunk = [], None, cfg.steps_per_decision
+    idle, probe_every, shadowed = 0, cfg.probe_every, 0
+    positive = min(g for g in self.tiers if g > 0)
+    while not done.all():
+      # With shadow drafts the first chunk runs AR: evidence first, at no risk.
+      g = self.choose(estimate, b, ~done, max_new - (num - prompt_len)) if (
+          shadowed or not shadow) else 0
+      if g == 0 and not shadow and idle >= probe_every:
+        g, idle, probe_every = positive, 0, min(2 * probe_every, cfg.max_probe_every)
+      elif g:
+        idle, probe_every = 0, cfg.probe_every
+      # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified);
+      # with shadow drafts the first tier-0 chunks stay short: each is one sample.
+      grow = g == prev and (g > 0 or not shadow or shadowed >= cfg.shadow_warmup)
+      chunk = min((4 if g == 0 else 2) * chunk, cfg.max_steps_per_decision) if grow else \
+          cfg.steps_per_decision
+      idle += chunk if g == 0 else 0
+      t0 = time.perf_counter()
+      shadow_now, matched = shadow and g < self.max_gamma, None
+      if shadow_now:
+        proposed = self._shadow(target_params, drafter_params, state)
+      state = self._chunk[g](target_params, drafter_params, state,
+                             jnp.asarray(chunk, jnp.int32))
+      if shadow_now:
+        matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
+      new_hist, done, num, matched = jax.device_get((
+          state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched))
+      trace.append((g, int(new_hist.sum() - hist.sum()), time.perf_counter() - t0))
+      estimate.observe(new_hist - hist, g)
+      if matched is not None:
+        estimate.observe_shadow(*matched)
+        shadowed += 1
+      hist, prev = new_hist, g
+    self.last_trace = trace
+    return state
+
+  def tier_usage(self) -> dict:
+    """{tier: fraction of row-steps} of the last `generate`."""
+    total = sum(n for _, n, _ in self.last_trace) or 1
+    out = {}
+    for g, n, _ in self.last_trace:
+      out[g] = out.get(g, 0.0) + n / total
+    return out
+
+
+def _same_state(engine, target_params, drafter_params, prompt_shape, state) -> bool:
+  """Whether `engine`'s drafter keeps a state of the same structure and shapes."""
+  prompt_BP = jax.ShapeDtypeStruct(prompt_shape, jnp.int32)
+  lens_B = jax.ShapeDtypeStruct(state.num_tokens_B.shape, jnp.int32)
+  try:
+    out = jax.eval_shape(
+        lambda p, l: engine.prefill_fn(target_params, drafter_params, p, l, 0.0, 1.0, 1, 0,
+                                       buffer_len=state.tokens_BL.shape[1]),
+        prompt_BP, lens_B)
+  except (ValueError, TypeError):
+    return False
+  shapes = lambda t: [(x.shape, x.dtype) for x in jax.tree.leaves(t)]
+  return (jax.tree.structure(out.drafter_state) == jax.tree.structure(state.drafter_state)
+          and shapes(out.drafter_state) == shapes(state.drafter_state))

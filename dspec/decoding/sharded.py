@@ -1,0 +1,105 @@
+"""A SpeculativeEngine run on a device mesh: the same jitted programs, with in/out shardings.
+
+`ShardedEngine(engine, placement)` has the engine's `prefill / step / generate` signatures
+(so `runner`, `host_loop` and the controller use it unchanged). Params keep the sharding
+they were placed with (`Placement.put_params` / `create_module`); the decode state (target
+cache, tokens, drafter state, stats) is sharded by its shape-suffix names: batch over the
+`batch` mesh axes, KV heads over `tensor`. Calls run under `jax.set_mesh`, so Pallas
+kernels are wrapped in `jax.shard_map` (see `pallas_kernels/block_attention/api.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import multihost_utils
+
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.sharding import Placement
+
+
+def _shardings_of(tree):
+  return None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
+
+
+class ShardedEngine:
+  """`engine`'s entry points jitted with mesh shardings (one compile per shape)."""
+
+  def __init__(self, engine: SpeculativeEngine, placement: Placement):
+    self.engine = engine
+    self.placement = placement
+    self._fns = {}
+
+  def __getattr__(self, name):
+    return getattr(self.engine, name)
+
+  def _state_sh(self, tree):
+    return self.placement.shardings(self.placement.state_specs(tree))
+
+  def _jitted(self, kind, key, build):
+    if (kind, key) not in self._fns:
+      self._fns[kind, key] = build()
+    return self._fns[kind, key]
+
+  def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
+              temperature=0.0, top_p=1.0, max_new_tokens, seed=0):
+    b, p = prompt_BP.shape
+    multiple = self.placement.batch_size_multiple
+    if b % multiple:
+      raise ValueError(f'batch size {b} is not divisible by the mesh batch axes '
+                       f'(size {multiple}); use a multiple of {multiple}')
+    buffer_len = self.engine.buffer_len(p, max_new_tokens)
+    args = (target_params, drafter_params, prompt_BP, prompt_len_B, temperature, top_p,
+            max_new_tokens, seed)
+
+    def build():
+      fn = functools.partial(self.engine.prefill_fn, buffer_len=buffer_len)
+      out = jax.eval_shape(fn, *args)
+      batch_in = self._state_sh({'prompt_BP': prompt_BP, 'prompt_len_B': prompt_len_B})
+      rep = self.placement.shardings(jax.sharding.PartitionSpec())
+      return jax.jit(fn, in_shardings=(
+          _shardings_of(target_params), _shardings_of(drafter_params),
+          batch_in['prompt_BP'], batch_in['prompt_len_B'], rep, rep, rep, rep),
+          out_shardings=self._state_sh(out))
+
+    fn = self._jitted('prefill', (b, p, buffer_len), build)
+    with self.placement.context():
+      return fn(*args)
+
+  def step(self, target_params, drafter_params, state, proposal=None):
+    def build():
+      state_sh = self._state_sh(state)
+      return jax.jit(self.engine.step_fn, donate_argnums=2, in_shardings=(
+          _shardings_of(target_params), _shardings_of(drafter_params), state_sh,
+          None if proposal is None else self._state_sh(proposal)),
+          out_shardings=state_sh)
+
+    key = (jax.tree.structure(state), jax.tree.structure(proposal),
+           tuple(x.shape for x in jax.tree.leaves(state)))
+    fn = self._jitted('step', key, build)
+    with self.placement.context():
+      return fn(target_params, drafter_params, state, proposal)
+
+  def generate(self, target_params, drafter_params, state):
+    def build():
+      state_sh = self._state_sh(state)
+      return jax.jit(self.engine.generate_fn, donate_argnums=2, in_shardings=(
+          _shardings_of(target_params), _shardings_of(drafter_params), state_sh),
+          out_shardings=state_sh)
+
+    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)))
+    fn = self._jitted('generate', key, build)
+    with self.placement.context():
+      state = fn(target_params, drafter_params, state)
+    return gather_outputs(state) if jax.process_count() > 1 else state
+
+
+def gather_outputs(state):
+  """Multi-host: the tokens and counters every host reads, gathered to host numpy (rows
+  of other hosts are not addressable); caches and drafter state stay sharded."""
+  tokens_BL, num_tokens_B, prompt_len_B, done_B, stats = multihost_utils.process_allgather(
+      (state.tokens_BL, state.num_tokens_B, state.prompt_len_B, state.done_B, state.stats),
+      tiled=True)
+  return state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B,
+                       prompt_len_B=prompt_len_B, done_B=done_B, stats=stats)

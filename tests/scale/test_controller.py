@@ -1,0 +1,103 @@
+"""The verify-length controller: lossless at every tier, and it picks what pays."""
+
+import numpy as np
+import pytest
+
+from conftest import pad_prompts
+from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
+                                       TierDrafter, VerifyLengthController,
+                                       expected_tokens, resize_drafter)
+from dspec.decoding.drafters.ngram import NgramDrafter
+from dspec.decoding.drafters.self_draft import SelfDrafter
+from dspec.decoding.engine import SpeculativeEngine
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
+NEW_TOKENS = 24
+TIERS = (0, 1, 3)
+NGRAM = NgramDrafter(num_draft=8, max_n=3)
+
+
+def _costs(per_token: float, propose: float = 0.0):
+  """cost(γ) = 1 + per_token·γ for the test batch (no profiling in unit tests); a
+  proposal costing `propose` (large: no shadow drafts, tier 0 probes instead)."""
+  b = len(PROMPTS)
+  return CostTable({(b, g): 1.0 + per_token * g for g in TIERS}, {b: propose})
+
+
+def _decode(engine, params, dparams):
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = engine.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  state = engine.generate(params, dparams, state)
+  tokens, nums = np.asarray(state.tokens_BL), np.asarray(state.num_tokens_B)
+  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(len(PROMPTS))], state
+
+
+@pytest.fixture(scope='module')
+def ar(tiny_split):
+  return _decode(SpeculativeEngine(tiny_split[0]), tiny_split[1], None)
+
+
+@pytest.mark.parametrize('name,drafter,per_token,propose', [
+    ('ngram', NGRAM, 0.05, 0.0),
+    ('self', SelfDrafter(num_draft=4), 0.6, 1e9),   # starts at AR, probes
+])
+def test_greedy_output_equals_ar_while_switching_tiers(tiny_split, ar, name, drafter,
+                                                       per_token, propose):
+  cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2,
+                         probe_every=2)
+  controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
+                                      cost_table=_costs(per_token, propose))
+  outs, state = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  used = {g for g, _, _ in controller.last_trace}
+  assert len(used) >= 2, f'{name} should exercise several tiers, used {used}'
+  assert state.stats.accept_hist_BG1.shape[1] == max(TIERS) + 1
+  assert sum(controller.tier_usage().values()) == pytest.approx(1.0)
+
+
+def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
+  controller = VerifyLengthController(tiny_split[0], NGRAM,
+                                      config=ControllerConfig(tiers=TIERS),
+                                      cost_table=_costs(10.0))
+  outs, _ = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  assert controller.tier_usage().get(0, 0.0) > 0.8
+
+
+def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
+  cfg = ControllerConfig(tiers=(0, 1), profile_steps=2, profile_repeats=1)
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = controller.prefill(tiny_split[1], None, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  table = controller.profile(tiny_split[1], None, state)
+  assert table.has(len(PROMPTS), (0, 1)) and all(c > 0 for c in table.costs.values())
+  table.save(str(tmp_path / 'costs.json'))
+  loaded = CostTable.load(str(tmp_path / 'costs.json'))
+  assert loaded.costs == table.costs and loaded.propose == table.propose
+  (tmp_path / 'bad.json').write_text('{"seconds_per_step": 3}')
+  with pytest.raises(ValueError, match='bad step-cost table'):
+    CostTable.load(str(tmp_path / 'bad.json'))
+
+
+def test_acceptance_estimate_and_expected_tokens():
+  cfg = ControllerConfig(prior=0.5, prior_weight=1e-9, ema=0.0)
+  est = AcceptanceEstimate(batch=2, max_gamma=4, cfg=cfg)
+  # Row 0: 4 steps at γ=2 accepting 0, 1, 2, 2 drafts; row 1: nothing observed.
+  est.observe(np.array([[1, 1, 2, 0, 0], [0, 0, 0, 0, 0]]), gamma=2)
+  alpha = est.conditional()
+  np.testing.assert_allclose(alpha[0, :2], [3 / 4, 2 / 3], rtol=1e-6)
+  np.testing.assert_allclose(alpha[0, 2:], [2 / 3, 2 / 3], rtol=1e-6)   # extrapolated
+  np.testing.assert_allclose(alpha[1], alpha[0], rtol=1e-6)   # unseen row: pooled
+  assert expected_tokens(alpha, 0, np.array([True, False]), np.array([9, 9])) == 1.0
+  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([9, 9])) == \
+      pytest.approx(1 + 3 / 4 + 1 / 2)
+  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([1, 9])) == 1.0
+
+
+def test_tiers_resize_or_truncate():
+  assert resize_drafter(NgramDrafter(num_draft=8), 3).num_draft == 3
+  assert resize_drafter(object(), 3) is None
+  tier = TierDrafter(SelfDrafter(num_draft=4), 0)
+  assert tier.num_draft == 0 and tier.taps == ()
+  with pytest.raises(ValueError, match='tiers'):
+    ControllerConfig(tiers=(3, 1))

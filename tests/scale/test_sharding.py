@@ -1,0 +1,134 @@
+"""Sharding on 8 simulated CPU devices: identical tokens and losses on every mesh.
+
+The mesh checks need `--xla_force_host_platform_device_count=8` before jax starts, so
+they run in two subprocesses (`mesh_checks.py --part=decode|rest`, side by side) that
+print JSON; the tests below assert on it. Golden PartitionSpecs of every target param
+for `fsdp=2,tensor=4` live in golden/ (rewrite: `mesh_checks.py --part=rest --golden=..`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import common
+from dspec import sharding
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.join(HERE, 'golden', 'param_specs_fsdp2_tensor4.json')
+DRAFTERS = ('ar', 'ngram', 'oracle', 'self', 'mtp', 'dflash')
+
+
+def _merge(into: dict, other: dict) -> dict:
+  for key, value in other.items():
+    if isinstance(value, dict) and isinstance(into.get(key), dict):
+      _merge(into[key], value)
+    else:
+      into[key] = value
+  return into
+
+
+@pytest.fixture(scope='module')
+def mesh_results():
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'mesh_checks.py'),
+                             f'--part={part}'], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+           for part in ('decode', 'rest')]
+  result = {}
+  for proc in procs:
+    out, err = proc.communicate(timeout=900)
+    line = next((l for l in out.splitlines() if l.startswith('RESULT ')), None)
+    assert proc.returncode == 0 and line, f'mesh checks failed:\n{err[-4000:]}'
+    _merge(result, json.loads(line[len('RESULT '):]))
+  assert result['devices'] == 8
+  return result
+
+
+@pytest.mark.parametrize('name', DRAFTERS)
+def test_tokens_identical_on_every_mesh(mesh_results, name):
+  if name in mesh_results['skipped']:
+    pytest.skip(mesh_results['skipped'][name])
+  runs = mesh_results['decode'][name]
+  assert set(runs) == {'1', 'data=8', 'data=2,tensor=4', 'tensor=8'}
+  for mesh, outs in runs.items():
+    assert outs == runs['1'], f'{name} on {mesh} differs from 1 device'
+  assert runs['1'] == mesh_results['decode']['ar']['1'], f'{name} is not lossless'
+
+
+def test_params_created_sharded_equal_one_device(mesh_results):
+  assert all(mesh_results['created_sharded_equal'].values())
+
+
+def test_state_sharding_batch_on_data_kv_heads_on_tensor(mesh_results):
+  specs = mesh_results['state_specs']
+  assert specs['cache/k_LBSKD'] == [None, 'data', None, 'tensor']
+  assert specs['drafter_state/k_LBSKD'] == [None, 'data', None, 'tensor']
+  assert specs['tokens_BL'] == ['data'] and specs['step'] == []
+
+
+@pytest.mark.parametrize('task', ('target', 'mtp', 'dflash'))
+def test_sharded_train_step_gives_the_same_loss(mesh_results, task):
+  if task in mesh_results['train_skipped']:
+    pytest.skip(mesh_results['train_skipped'][task])
+  losses = mesh_results['train'][task]
+  assert len(losses) >= 2
+  for mesh, loss in losses.items():
+    assert loss == pytest.approx(losses['1'], rel=1e-5), mesh
+
+
+def test_param_sharding_matches_golden(mesh_results):
+  with open(GOLDEN) as f:
+    golden = json.load(f)
+  assert golden['mesh'] == 'fsdp=2,tensor=4'
+  assert mesh_results['param_specs'] == golden['param_specs']
+
+
+def test_mesh_that_does_not_fit_gets_a_clear_error(mesh_results):
+  errors = mesh_results['errors']
+  assert 'num_heads=4' in errors['heads'] and 'tensor=8' in errors['heads']
+  assert 'needs 3 devices, found 8' in errors['mesh_size']
+  assert "'model=8'" in errors['axis_name']
+  assert 'batch size 3' in errors['batch']
+  assert mesh_results['kv_rule_tensor8'] is None   # 4 kv heads on tensor=8: replicated
+
+
+def test_pallas_kernel_is_shard_mapped_and_exact(mesh_results):
+  assert mesh_results['kernel']['shard_map']
+  assert mesh_results['kernel']['max_abs_diff'] < 1e-6
+
+
+def test_decode_runner_on_a_mesh_is_lossless(mesh_results):
+  assert mesh_results['runner']['lossless'] is True
+  assert len(mesh_results['runner']['output_ids']) == 8
+
+
+# ------------------------------------------------------------- single-process units
+
+def test_config_rules_are_the_library_defaults():
+  assert tuple(common.SHARDING_RULES) == sharding.DEFAULT_RULES
+  assert common.decode_config('tiny').sharding_rules == sharding.DEFAULT_RULES
+  assert common.training_config('target').mesh == ''
+
+
+def test_parse_mesh_spec():
+  assert sharding.parse_mesh_spec('data=2,tensor=4') == {'data': 2, 'fsdp': 1, 'tensor': 4}
+  assert sharding.parse_mesh_spec('fsdp=-1') == {'data': 1, 'fsdp': -1, 'tensor': 1}
+  for bad, match in (('data', 'name=size'), ('pipe=2', 'name=size'), ('data=0', '>= 1'),
+                     ('data=2,data=2', 'twice'), ('data=-1,fsdp=-1', 'at most one')):
+    with pytest.raises(ValueError, match=match):
+      sharding.parse_mesh_spec(bad)
+
+
+def test_logical_axes_from_paths_and_suffix_names():
+  assert sharding.param_logical_axes('layers/3/self_attn/k_proj/kernel', 2) == \
+      ('embed', 'kv_heads')
+  assert sharding.param_logical_axes('depths/0/eh_proj/kernel', 2) == (None, 'embed')
+  assert sharding.param_logical_axes('mystery', 3) == (None, None, None)
+  assert sharding.suffix_logical_axes('k_LBSKD', 5) == (None, 'batch', None, 'kv_heads',
+                                                        None)
+  assert sharding.suffix_logical_axes('accept_hist_BG1', 2) == ('batch', None)
+  assert sharding.suffix_logical_axes('step', 0) == ()
+  assert sharding.suffix_logical_axes('tokens_BL', 3) == (None, None, None)
