@@ -24,14 +24,14 @@ in sync). Every tier runs the same verified speculative step, so the output is l
 construction: greedy output equals AR, token for token. Acceptance is also learnt while
 verifying less than the largest tier, or nothing: when the largest tier's proposal is
 cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
-chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified);
-the first chunk then runs AR, so the first choice already rests on evidence.
+chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified).
 For costly drafters the controller instead probes the smallest positive tier every
 `probe_every` steps at tier 0 (the interval doubles while probes do not pay).
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR;
-up to `max_steps_per_decision`) to amortise the host round trip (at tier 0 with shadow
+up to `max_steps_per_decision` steps and `chunk_seconds` of profiled device time, which
+bounds the cost of a wrong choice) to amortise the host round trip (at tier 0 with shadow
 drafts only after `shadow_warmup` samples, so the first evidence comes quickly). Drafters
 are rebuilt per tier with `num_draft = γ` (ngram, oracle, self, MTP) or `block_size = γ +
 1` (DFlash); when the rebuilt drafter's state differs from the largest tier's (MTP caches
@@ -64,7 +64,8 @@ class ControllerConfig:
   tiers: Tuple[int, ...] = (0, 1, 3, 7, 15)
   steps_per_decision: int = 4       # steps per decision (one host sync each)
   max_steps_per_decision: int = 64  # chunk cap while the tier does not change
-  margin: float = 0.05              # speculate only when predicted >= (1 + margin) × AR
+  chunk_seconds: float = 0.1        # ... and chunks grow only up to this much device time
+  margin: float = 0.1               # speculate only when predicted >= (1 + margin) × AR
   ema: float = 0.8                  # weight of the past in the acceptance counts
   prior: float = 0.5                # conditional acceptance before any evidence
   prior_weight: float = 2.0         # pseudo-steps pulling a row towards the pooled estimate
@@ -376,9 +377,7 @@ class VerifyLengthController:
     idle, probe_every, shadowed = 0, cfg.probe_every, 0
     positive = min(g for g in self.tiers if g > 0)
     while not done.all():
-      # With shadow drafts the first chunk runs AR: evidence first, at no risk.
-      g = self.choose(estimate, b, ~done, max_new - (num - prompt_len)) if (
-          shadowed or not shadow) else 0
+      g = self.choose(estimate, b, ~done, max_new - (num - prompt_len))
       if g == 0 and not shadow and idle >= probe_every:
         g, idle, probe_every = positive, 0, min(2 * probe_every, cfg.max_probe_every)
       elif g:
@@ -386,8 +385,9 @@ class VerifyLengthController:
       # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified);
       # with shadow drafts the first tier-0 chunks stay short: each is one sample.
       grow = g == prev and (g > 0 or not shadow or shadowed >= cfg.shadow_warmup)
-      chunk = min((4 if g == 0 else 2) * chunk, cfg.max_steps_per_decision) if grow else \
-          cfg.steps_per_decision
+      cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / self.costs[b, g]))
+      chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) if grow \
+          else cfg.steps_per_decision
       idle += chunk if g == 0 else 0
       t0 = time.perf_counter()
       shadow_now, matched = shadow and g < self.max_gamma, None
