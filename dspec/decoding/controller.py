@@ -17,7 +17,9 @@ and before every decision chooses the tier maximising expected committed tokens 
   E(γ) = Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r) / cost(B, γ),
 
 staying at AR unless the best tier beats it by `margin` (estimates are noisy; near-ties
-are not worth leaving the AR floor for).
+are not worth leaving the AR floor for). Each tier's prediction is also scaled by an EMA
+of its realised / predicted committed tokens (capped at 1), which corrects acceptance
+estimates that lag behind a row leaving a repetitive stretch.
 
 Tier 0 is plain AR (the drafter proposes nothing; its state is still updated so it stays
 in sync). Every tier runs the same verified speculative step, so the output is lossless by
@@ -279,6 +281,7 @@ class VerifyLengthController:
     self._set_engines({g: self._make(d) for g, d in tiers.items()})
     self.last_trace = []
     self._checked = False
+    self._realised = {}     # tier -> EMA of realised / predicted tokens (<= 1)
 
   def _set_engines(self, engines):
     """Engines per tier and their jitted chunk / shadow programs. Built once as closures:
@@ -347,12 +350,16 @@ class VerifyLengthController:
 
   # --------------------------------------------------------------------- decoding
 
-  def choose(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B) -> int:
+  def predicted(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B):
+    """{tier: expected tokens per step}, each scaled by the tier's realised/predicted ratio."""
+    alpha = estimate.conditional()
+    return {g: expected_tokens(alpha, g, live_B, remaining_B) * self._realised.get(g, 1.0)
+            for g in self.tiers}
+
+  def choose(self, tokens: dict, batch: int) -> int:
     """The tier of highest predicted tokens/s; AR unless a tier beats it by `margin`
     (the estimates are noisy: near-ties are not worth leaving the AR floor for)."""
-    alpha = estimate.conditional()
-    scores = {g: expected_tokens(alpha, g, live_B, remaining_B) / self.costs[batch, g]
-              for g in self.tiers}
+    scores = {g: tokens[g] / self.costs[batch, g] for g in self.tiers}
     best = max(scores, key=scores.get)
     return best if scores[best] >= (1.0 + self.config.margin) * scores[0] else 0
 
@@ -376,8 +383,10 @@ class VerifyLengthController:
     trace, prev, chunk = [], None, cfg.steps_per_decision
     idle, probe_every, shadowed = 0, cfg.probe_every, 0
     positive = min(g for g in self.tiers if g > 0)
+    self._realised = {}
     while not done.all():
-      g = self.choose(estimate, b, ~done, max_new - (num - prompt_len))
+      tokens = self.predicted(estimate, b, ~done, max_new - (num - prompt_len))
+      g = self.choose(tokens, b)
       if g == 0 and not shadow and idle >= probe_every:
         g, idle, probe_every = positive, 0, min(2 * probe_every, cfg.max_probe_every)
       elif g:
@@ -390,6 +399,7 @@ class VerifyLengthController:
           else cfg.steps_per_decision
       idle += chunk if g == 0 else 0
       t0 = time.perf_counter()
+      num_before, done_before = num, done
       shadow_now, matched = shadow and g < self.max_gamma, None
       if shadow_now:
         proposed = self._shadow(target_params, drafter_params, state)
@@ -399,7 +409,12 @@ class VerifyLengthController:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
       new_hist, done, num, matched = jax.device_get((
           state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched))
-      trace.append((g, int(new_hist.sum() - hist.sum()), time.perf_counter() - t0))
+      steps = int(new_hist.sum() - hist.sum())
+      trace.append((g, steps, time.perf_counter() - t0))
+      if g and steps:   # realised vs predicted tokens: corrects optimistic estimates
+        ratio = float(np.sum(num - num_before)) / (
+            tokens[g] / self._realised.get(g, 1.0) * steps / max(np.sum(~done_before), 1))
+        self._realised[g] = 0.5 * (self._realised.get(g, 1.0) + min(ratio, 1.0))
       estimate.observe(new_hist - hist, g)
       if matched is not None:
         estimate.observe_shadow(*matched)

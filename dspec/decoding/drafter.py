@@ -39,6 +39,16 @@ class Drafter(Protocol):
     """Raises ValueError with one clear line when the drafter does not fit the target."""
 
 
+def check_width_and_vocab(kind: str, drafter_target_cfg, target_cfg) -> None:
+  """ValueError (one line) when a drafter built for one target meets another's shapes."""
+  if target_cfg.embed_dim != drafter_target_cfg.embed_dim:
+    raise ValueError(f'{kind} drafter width {drafter_target_cfg.embed_dim} does not match '
+                     f'the target width {target_cfg.embed_dim}')
+  if target_cfg.vocab_size != drafter_target_cfg.vocab_size:
+    raise ValueError(f'{kind} drafter vocab {drafter_target_cfg.vocab_size} does not match '
+                     f'the target vocab {target_cfg.vocab_size}')
+
+
 @dataclasses.dataclass(frozen=True)
 class NoDrafter:
   """Plain autoregressive decoding: the speculative loop with γ = 0."""

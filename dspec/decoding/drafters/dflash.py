@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspec.decoding.drafter import check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig, DFlashDrafter, load_dflash
@@ -70,12 +71,7 @@ class DFlashDraftDrafter:
 
   def check_target(self, target_cfg) -> None:
     mine = self.target_cfg
-    if target_cfg.embed_dim != mine.embed_dim:
-      raise ValueError(f'dflash drafter width {mine.embed_dim} does not match the target '
-                       f'width {target_cfg.embed_dim}')
-    if target_cfg.vocab_size != mine.vocab_size:
-      raise ValueError(f'dflash drafter vocab {mine.vocab_size} does not match the target '
-                       f'vocab {target_cfg.vocab_size}')
+    check_width_and_vocab('dflash', mine, target_cfg)
     if target_cfg.num_layers != mine.num_layers:
       raise ValueError(f'dflash drafter taps layers {list(self.taps)} of a '
                        f'{mine.num_layers}-layer target, but the target has '

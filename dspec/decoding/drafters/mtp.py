@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.decoding.drafter import check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.kv_cache import KVCache
@@ -86,12 +87,7 @@ class MTPDrafter:
 
   def check_target(self, target_cfg):
     want = self.target_cfg
-    if target_cfg.embed_dim != want.embed_dim:
-      raise ValueError(f'mtp drafter width {want.embed_dim} != target width '
-                       f'{target_cfg.embed_dim}')
-    if target_cfg.vocab_size != want.vocab_size:
-      raise ValueError(f'mtp drafter vocab {want.vocab_size} != target vocab '
-                       f'{target_cfg.vocab_size}')
+    check_width_and_vocab('mtp', want, target_cfg)
     if self.taps and target_cfg.num_layers != want.num_layers:
       raise ValueError(f'mtp drafter taps layer {want.num_layers - 1} (pre_norm h0 of a '
                        f'{want.num_layers}-layer target) but the target has '
