@@ -19,7 +19,9 @@ and before every decision chooses the tier maximising expected committed tokens 
 staying at AR unless the best tier beats it by `margin` (estimates are noisy; near-ties
 are not worth leaving the AR floor for). Each tier's prediction is also scaled by an EMA
 of its realised / predicted committed tokens (capped at 1), which corrects acceptance
-estimates that lag behind a row leaving a repetitive stretch.
+estimates that lag behind a row leaving a repetitive stretch. `objective='makespan'` scores
+a tier instead by the time until the last live row would finish (static batches, where
+rows done early idle in the shape); the default maximises throughput as above.
 
 Tier 0 is plain AR (the drafter proposes nothing; its state is still updated so it stays
 in sync). Every tier runs the same verified speculative step, so the output is lossless by
@@ -68,6 +70,7 @@ class ControllerConfig:
   max_steps_per_decision: int = 64  # chunk cap while the tier does not change
   chunk_seconds: float = 0.1        # ... and chunks grow only up to this much device time
   margin: float = 0.1               # speculate only when predicted >= (1 + margin) × AR
+  objective: str = 'throughput'     # throughput | makespan (time until the last row ends)
   ema: float = 0.8                  # weight of the past in the acceptance counts
   prior: float = 0.5                # conditional acceptance before any evidence
   prior_weight: float = 2.0         # pseudo-steps pulling a row towards the pooled estimate
@@ -86,6 +89,9 @@ class ControllerConfig:
                        f'{self.ema}, {self.prior}')
     if self.steps_per_decision < 1 or self.max_steps_per_decision < self.steps_per_decision:
       raise ValueError('controller needs 1 <= steps_per_decision <= max_steps_per_decision')
+    if self.objective not in ('makespan', 'throughput'):
+      raise ValueError(f'controller objective must be makespan or throughput, got '
+                       f'{self.objective!r}')
 
 
 # ---------------------------------------------------------------------------- tiers
@@ -222,8 +228,12 @@ class AcceptanceEstimate:
 def expected_tokens(alpha_BG: np.ndarray, gamma: int, live_B: np.ndarray,
                     remaining_B: np.ndarray) -> float:
   """Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r)."""
-  tokens_B = 1.0 + np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
-  return float(np.sum(np.minimum(tokens_B, remaining_B) * live_B))
+  return float(np.sum(np.minimum(row_tokens(alpha_BG, gamma), remaining_B) * live_B))
+
+
+def row_tokens(alpha_BG: np.ndarray, gamma: int) -> np.ndarray:
+  """Expected tokens per step of each row at tier γ: 1 + Σ_{k≤γ} Π_{j≤k} α_rj."""
+  return 1.0 + np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
 
 
 # ------------------------------------------------------------------------ controller
@@ -356,10 +366,24 @@ class VerifyLengthController:
     return {g: expected_tokens(alpha, g, live_B, remaining_B) * self._realised.get(g, 1.0)
             for g in self.tiers}
 
-  def choose(self, tokens: dict, batch: int) -> int:
-    """The tier of highest predicted tokens/s; AR unless a tier beats it by `margin`
-    (the estimates are noisy: near-ties are not worth leaving the AR floor for)."""
-    scores = {g: tokens[g] / self.costs[batch, g] for g in self.tiers}
+  def scores(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B) -> dict:
+    """{tier: predicted rate}: committed tokens/s ('throughput'), or the inverse of the
+    time until the last live row is done if the tier were kept ('makespan': in a static
+    batch the slowest row sets the finish time and rows done early idle in the shape)."""
+    if self.config.objective == 'throughput':
+      tokens = self.predicted(estimate, batch, live_B, remaining_B)
+      return {g: tokens[g] / self.costs[batch, g] for g in self.tiers}
+    alpha = estimate.conditional()
+    out = {}
+    for g in self.tiers:
+      per_step_B = row_tokens(alpha, g) * self._realised.get(g, 1.0)
+      steps = np.max(np.where(live_B, np.ceil(remaining_B / per_step_B), 0.0))
+      out[g] = 1.0 / max(steps * self.costs[batch, g], 1e-12)
+    return out
+
+  def choose(self, scores: dict) -> int:
+    """The best tier; AR unless a tier beats it by `margin` (the estimates are noisy:
+    near-ties are not worth leaving the AR floor for)."""
     best = max(scores, key=scores.get)
     return best if scores[best] >= (1.0 + self.config.margin) * scores[0] else 0
 
@@ -385,8 +409,9 @@ class VerifyLengthController:
     positive = min(g for g in self.tiers if g > 0)
     self._realised = {}
     while not done.all():
-      tokens = self.predicted(estimate, b, ~done, max_new - (num - prompt_len))
-      g = self.choose(tokens, b)
+      remaining = max_new - (num - prompt_len)
+      tokens = self.predicted(estimate, b, ~done, remaining)
+      g = self.choose(self.scores(estimate, b, ~done, remaining))
       if g == 0 and not shadow and idle >= probe_every:
         g, idle, probe_every = positive, 0, min(2 * probe_every, cfg.max_probe_every)
       elif g:

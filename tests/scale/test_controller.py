@@ -55,6 +55,13 @@ def test_greedy_output_equals_ar_while_switching_tiers(tiny_split, ar, name, dra
   assert sum(controller.tier_usage().values()) == pytest.approx(1.0)
 
 
+def test_makespan_objective_is_lossless_too(tiny_split, ar):
+  cfg = ControllerConfig(tiers=TIERS, objective='makespan')
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg,
+                                      cost_table=_costs(0.05))
+  assert _decode(controller, tiny_split[1], None)[0] == ar[0]
+
+
 def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
   controller = VerifyLengthController(tiny_split[0], NGRAM,
                                       config=ControllerConfig(tiers=TIERS),
@@ -101,3 +108,5 @@ def test_tiers_resize_or_truncate():
   assert tier.num_draft == 0 and tier.taps == ()
   with pytest.raises(ValueError, match='tiers'):
     ControllerConfig(tiers=(3, 1))
+  with pytest.raises(ValueError, match='objective'):
+    ControllerConfig(objective='fast')
