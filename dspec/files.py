@@ -18,6 +18,14 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
       os.remove(tmp)
 
 
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` atomically."""
+  def write(tmp):
+    with open(tmp, 'w') as f:
+      f.write(text)
+  write_atomic(path, write)
+
+
 def write_json_atomic(path: str, obj, indent: int = 1) -> None:
   """Writes `obj` as JSON to `path` atomically (creating the parent directory)."""
   parent = os.path.dirname(os.path.abspath(path))

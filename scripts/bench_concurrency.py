@@ -182,10 +182,7 @@ def main(argv):
          'tiers': list(tiers), 'model': target.cfg.to_dict()}
   files.write_json_atomic(os.path.join(_OUT.value, 'concurrency.json'), out)
 
-  def write_md(tmp):
-    with open(tmp, 'w') as f:
-      f.write(_markdown(rows, goals))
-  files.write_atomic(os.path.join(_OUT.value, 'concurrency.md'), write_md)
+  files.write_text_atomic(os.path.join(_OUT.value, 'concurrency.md'), _markdown(rows, goals))
   files.write_atomic(os.path.join(_OUT.value, 'concurrency.png'),
                      lambda tmp: _plot(rows, tmp))
   if _COSTS.value:

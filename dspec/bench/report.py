@@ -15,7 +15,7 @@ import os
 import platform
 from typing import Optional
 
-from dspec.files import write_atomic, write_json_atomic
+from dspec.files import write_atomic, write_json_atomic, write_text_atomic
 
 RESULTS = 'results.json'
 PARTIAL = 'results.partial.json'
@@ -27,13 +27,6 @@ PLOTS = {
     'speedup_by_dataset': 'speedup_by_dataset.png',
     'speedup_vs_batch': 'speedup_vs_batch.png',
 }
-
-
-def write_text_atomic(path: str, text: str) -> None:
-  def write(tmp):
-    with open(tmp, 'w') as f:
-      f.write(text)
-  write_atomic(path, write)
 
 
 def remove_stale(out_dir: str) -> None:

