@@ -1,13 +1,14 @@
 """DFlash drafter for the demo target: train it (DFlash or BD3-LM objective) and decode with it.
 
-Commands (after demo/target and runs/distill_demo exist, see configs/distill_demo.py):
+Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dflash_demo.py --workdir=runs/dflash_demo
   python scripts/train.py --config=configs/dflash_demo.py:bd3lm --workdir=runs/bd3lm_demo
   python scripts/decode.py --config=configs/dflash_demo.py --config.compare_ar=True
   python scripts/decode.py --config=configs/dflash_demo.py \
       --config.drafters.dflash.path=runs/bd3lm_demo/final --config.compare_ar=True
 Arguments: layers=N (draft layers, default 2), block=B (trained block, default 16),
-steps=N, minutes=M (wall-clock cap), bd3lm (BD3-LM objective), tiny (random tiny target,
+vocab=N (reduced draft head over the N most frequent target-written tokens; 0 = full),
+steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), bd3lm (BD3-LM objective), tiny (random tiny target,
 tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.block_size (<= the
 trained block; 0 = trained), .denoise_steps (1 = the reference single pass).
 Expected: training logs loss, acc1 and tau_est (greedy τ estimate on held-out blocks) and
@@ -23,7 +24,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, bd3lm=False, layers=2, block=16, steps=3000,
-                          minutes=0.0)
+                          minutes=0.0, vocab=0, data='runs/distill_demo8k')
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'
@@ -38,6 +39,8 @@ def get_config(arg=None):
       'target_layer_ids': (),      # () -> round(1 + i(L-4)/(n-1)); e.g. (1, 3, 5)
       'mask_token_id': -1,         # -1 -> the tokenizer's <|mask|> (id 1 in the demo)
       'sliding_window': 0,         # 0 = full context
+      'draft_vocab_size': args.vocab,  # 0 = full; N = head over the N tokens the target
+                                       # writes most often (FR-Spec): a cheaper draft pass
       'attention_impl': 'xla',     # xla | pallas
       'num_anchors': 16,           # DFlash: blocks per sequence
       'anchor_supervised': False,  # True: anchor must be target-written (reference);
@@ -47,7 +50,7 @@ def get_config(arg=None):
       'eps_max': 1.0,
       'keep_first': True,          # BD3-LM: first token of each block stays clean
   })
-  cfg.data = ml_collections.ConfigDict({'path': 'runs/distill_demo',
+  cfg.data = ml_collections.ConfigDict({'path': args.data,
                                         'heldout_fraction': 0.03})
 
   cfg.training = common.training_config('bd3lm' if args.bd3lm else 'dflash')

@@ -1,7 +1,7 @@
 """Self-distil the demo target on training-side prompts (never benchmark prompts).
 
 Command (after configs/demo_target.py has produced demo/target):
-  python scripts/distill.py --config=configs/distill_demo.py --out_dir=runs/distill_demo
+  python scripts/distill.py --config=configs/distill_demo.py --out_dir=runs/distill_demo8k
 Presets: `:tiny` (random tiny target, a handful of prompts; for tests), `sampled` (T=0.7).
 Expected: shards of prompt + continuation with a loss mask on the target-written tokens;
 rerunning resumes.
@@ -11,7 +11,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, tiny=False, sampled=False, gsm8k=1500, stdlib=1500)
+  args = common.parse_arg(arg, tiny=False, sampled=False, gsm8k=3500, stdlib=4500)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'

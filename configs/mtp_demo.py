@@ -1,6 +1,6 @@
 """Chained MTP (DeepSeek-V3) drafter for the demo target: train it, then decode with it.
 
-Commands (after demo/target and runs/distill_demo exist, see configs/distill_demo.py):
+Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/mtp_demo.py --workdir=runs/mtp_demo
   python scripts/decode.py --config=configs/mtp_demo.py --config.compare_ar=True
   python scripts/decode.py --config=configs/mtp_demo.py --config.drafters.mtp.num_depths=1
@@ -8,7 +8,7 @@ Joint pretraining (a fresh demo-shaped target + MTP on the target corpora, λ 0.
   python scripts/train.py --config=configs/mtp_demo.py:joint --workdir=runs/mtp_joint
   python scripts/decode.py --config=configs/mtp_demo.py:joint --config.compare_ar=True
 Arguments: depths=D (1..4, default 3), beta (per-depth loss decay, default 0.6 post-hoc,
-1.0 joint), steps, minutes (wall-clock cap), joint, tiny (random tiny target and few steps:
+1.0 joint), steps, minutes (wall-clock cap), data=DIR (distilled data), joint, tiny (random tiny target and few steps:
 for tests; pass --config.data.path / --config.drafters.mtp.path). Architecture knobs
 (the ablation): --config.mtp.{kind,concat_order,h0_source,chain_hidden,
 zero_pos0_embedding,share_final_norm,shared_depth}. Decode: drafters.mtp.num_depths
@@ -25,7 +25,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, joint=False, depths=3, beta=-1.0, steps=3000,
-                          minutes=0.0)
+                          minutes=0.0, data='runs/distill_demo8k')
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'runs/mtp_joint/final/target' if args.joint else 'demo/target'
@@ -44,7 +44,7 @@ def get_config(arg=None):
       'share_final_norm': False,      # True: the target's final norm instead of per-depth
       'shared_depth': False,          # one depth reused recursively (FastMTP)
   })
-  cfg.data = ml_collections.ConfigDict({'path': 'runs/distill_demo',
+  cfg.data = ml_collections.ConfigDict({'path': args.data,
                                         'heldout_fraction': 0.03})
 
   cfg.training = common.training_config('mtp_joint' if args.joint else 'mtp_posthoc')

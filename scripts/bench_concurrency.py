@@ -39,6 +39,11 @@ _PROMPT_SET = flags.DEFINE_string('prompt_set', 'humaneval', 'Prompt set (corpus
 _MAX_PROMPT = flags.DEFINE_integer('max_prompt_tokens', 64, 'Prompts cut to their last N.')
 _DRAFTER = flags.DEFINE_enum('drafter', 'ngram', ['ngram', 'oracle'], 'Drafter.')
 _ORACLE_ACC = flags.DEFINE_float('oracle_acceptance', 0.3, 'Oracle conditional acceptance.')
+_OBJECTIVE = flags.DEFINE_enum(
+    'objective', 'makespan', ['makespan', 'throughput'],
+    "Controller objective. Every row here is one static batch, whose throughput is total "
+    "tokens / time until its last row ends, so 'makespan' is the matching objective; "
+    "'throughput' (committed tokens/s now) is the one for continuous batching.")
 _COSTS = flags.DEFINE_string('cost_table', None, 'Step-cost JSON to load (if it exists) '
                              'and to save the profiled costs to.')
 
@@ -123,7 +128,7 @@ def main(argv):
       _COSTS.value) else CostTable()
   controller = VerifyLengthController(
       graphdef, drafter(max(tiers)), sampling=spec, stop_ids=stop_ids, cost_table=costs,
-      config=ControllerConfig(tiers=tiers))
+      config=ControllerConfig(tiers=tiers, objective=_OBJECTIVE.value))
   methods = {'ar': SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)}
   for g in _GAMMAS.value:
     methods[f'{_DRAFTER.value} γ={g}'] = SpeculativeEngine(
@@ -178,7 +183,8 @@ def main(argv):
   goals['controller_vs_ar_ok'] = goals['controller_vs_ar_min'] >= 0.98
   goals['controller_vs_best_b1_ok'] = goals['controller_vs_best_b1'] >= 0.95
   out = {'rows': rows, 'goals': goals, 'device': str(jax.devices()[0]),
-         'drafter': _DRAFTER.value, 'max_new_tokens': cfg.max_new_tokens,
+         'drafter': _DRAFTER.value, 'objective': _OBJECTIVE.value,
+         'max_new_tokens': cfg.max_new_tokens,
          'tiers': list(tiers), 'model': target.cfg.to_dict()}
   files.write_json_atomic(os.path.join(_OUT.value, 'concurrency.json'), out)
 

@@ -52,6 +52,10 @@ class DFlashConfig:
   block_size: the trained block B (anchor + B−1 masks); inference may use a smaller one.
   target_layer_ids: 0-indexed target layers whose residual outputs are fused (taps).
   sliding_window: None, or how many context positions before the anchor are visible.
+  draft_vocab: () for the target's whole vocabulary, else the token ids the drafter may
+    propose (FR-Spec / EAGLE-3 style reduced head: the most frequent target-written
+    tokens). The head is the target's, restricted to these rows; the target still
+    verifies over the full vocabulary, so output is unchanged, only drafts are limited.
   """
 
   num_layers: int
@@ -60,9 +64,13 @@ class DFlashConfig:
   mask_token_id: int
   sliding_window: Optional[int] = None
   attention_impl: str = 'xla'
+  draft_vocab: Tuple[int, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, 'target_layer_ids', tuple(int(i) for i in self.target_layer_ids))
+    object.__setattr__(self, 'draft_vocab', tuple(int(i) for i in self.draft_vocab))
+    if len(set(self.draft_vocab)) != len(self.draft_vocab):
+      raise ValueError('dflash draft_vocab has repeated token ids')
     if self.num_layers < 1 or self.block_size < 2:
       raise ValueError(f'dflash needs num_layers >= 1 and block_size >= 2, got '
                        f'{self.num_layers}, {self.block_size}')
@@ -77,17 +85,18 @@ class DFlashConfig:
   @classmethod
   def create(cls, num_target_layers: int, num_layers: int, block_size: int,
              mask_token_id: int, target_layer_ids=None, sliding_window=None,
-             attention_impl: str = 'xla') -> 'DFlashConfig':
+             attention_impl: str = 'xla', draft_vocab=()) -> 'DFlashConfig':
     """Fills the default taps for the target's depth when `target_layer_ids` is empty."""
     ids = tuple(target_layer_ids or ()) or default_target_layer_ids(num_target_layers,
                                                                     num_layers)
     return cls(num_layers=num_layers, block_size=block_size, target_layer_ids=ids,
                mask_token_id=mask_token_id, sliding_window=sliding_window or None,
-               attention_impl=attention_impl)
+               attention_impl=attention_impl, draft_vocab=tuple(draft_vocab))
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d['target_layer_ids'] = list(self.target_layer_ids)
+    d['draft_vocab'] = list(self.draft_vocab)
     return d
 
   @classmethod
@@ -127,6 +136,9 @@ class DFlashDrafter(nnx.Module):
     if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
       raise ValueError(f'dflash mask_token_id {cfg.mask_token_id} outside the target '
                        f'vocab of {target_cfg.vocab_size}')
+    if cfg.draft_vocab and not 0 <= min(cfg.draft_vocab) <= max(cfg.draft_vocab) < \
+        target_cfg.vocab_size:
+      raise ValueError(f'dflash draft_vocab ids must lie in [0, {target_cfg.vocab_size})')
     self.cfg = cfg
     self.target_cfg = target_cfg
     self.layer_cfg = dataclasses.replace(target_cfg, num_layers=cfg.num_layers)
@@ -155,6 +167,26 @@ class DFlashDrafter(nnx.Module):
     sin, cos = rope_tables(positions_BS, self.layer_cfg.head_dim, self.layer_cfg.rope_theta)
     kvs = [layer.self_attn.project_kv(context_BSD, sin, cos) for layer in self.layers]
     return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+
+  def draft_logits(self, target, hidden_BTD):
+    """Logits [..., V'] over the draft vocabulary (the target's head restricted to it)."""
+    vocab_ids = jnp.asarray(self.cfg.draft_vocab, jnp.int32) if self.cfg.draft_vocab else None
+    return target.logits(hidden_BTD, vocab_ids)
+
+  def token_ids(self, index):
+    """Token ids of draft-vocabulary indices (the identity for the full vocabulary)."""
+    if not self.cfg.draft_vocab:
+      return index.astype(jnp.int32)
+    return jnp.asarray(self.cfg.draft_vocab, jnp.int32)[index]
+
+  def draft_index(self, token_ids):
+    """Draft-vocabulary index of each token id, −1 where the drafter cannot propose it."""
+    if not self.cfg.draft_vocab:
+      return token_ids.astype(jnp.int32)
+    table_V = jnp.full((self.target_cfg.vocab_size,), -1, jnp.int32)
+    table_V = table_V.at[jnp.asarray(self.cfg.draft_vocab)].set(
+        jnp.arange(len(self.cfg.draft_vocab), dtype=jnp.int32))
+    return table_V[token_ids]
 
   def _attend(self, q_BTHD, k_BSKD, v_BSKD, mask, offsets):
     impl = self.cfg.attention_impl

@@ -49,12 +49,15 @@ class Transformer(nnx.Module):
   def embed(self, tokens_BT):
     return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
 
-  def logits(self, hidden_BTD):
-    """Head over post-norm hidden states, in fp32."""
+  def logits(self, hidden_BTD, vocab_ids=None):
+    """Head over post-norm hidden states, in fp32; over the token ids `vocab_ids` only
+    (a reduced draft vocabulary, [V'] int) when given."""
     if self.cfg.tie_embeddings:
-      w_DV = self.embed_tokens[...].T
+      w_VD = self.embed_tokens[...]
+      w_DV = (w_VD if vocab_ids is None else jnp.take(w_VD, vocab_ids, axis=0)).T
     else:
       w_DV = self.lm_head[...]
+      w_DV = w_DV if vocab_ids is None else jnp.take(w_DV, vocab_ids, axis=1)
     return jnp.einsum('btd,dv->btv', hidden_BTD, w_DV.astype(hidden_BTD.dtype),
                       preferred_element_type=jnp.float32)
 

@@ -92,7 +92,7 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
   mask = DFlashTrainMask(block_size=big_b, context_len=s, window=cfg.sliding_window)
   hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
                        pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, mask, anchors_BN)
-  logits_BNKV = target.logits(hidden_BQD).reshape(b, n, big_b, -1)[:, :, 1:]
+  logits_BNKV = drafter.draft_logits(target, hidden_BQD).reshape(b, n, big_b, -1)[:, :, 1:]
 
   label_pos_BNK = pos_BNK[:, :, 1:]
   safe_pos = jnp.clip(label_pos_BNK, 0, s - 1).reshape(b, -1)
@@ -101,11 +101,13 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
       label_pos_BNK.shape)
   valid_BNK = (supervised_BNK & (label_pos_BNK < s) & (anchors_BN >= 0)[..., None])
   decay_K = jnp.exp(-jnp.arange(big_b - 1, dtype=jnp.float32) / gamma)
+  label_idx_BNK = drafter.draft_index(labels_BNK)   # −1: outside the draft vocabulary
+  in_vocab_BNK = label_idx_BNK >= 0
   return {
-      'ce': token_cross_entropy(logits_BNKV, labels_BNK),
-      'hit': jnp.argmax(logits_BNKV, axis=-1) == labels_BNK,
+      'ce': token_cross_entropy(logits_BNKV, jnp.maximum(label_idx_BNK, 0)),
+      'hit': jnp.argmax(logits_BNKV, axis=-1) == label_idx_BNK,
       'valid': valid_BNK,
-      'weight': decay_K * valid_BNK.astype(jnp.float32),
+      'weight': decay_K * (valid_BNK & in_vocab_BNK).astype(jnp.float32),
       'block_valid': anchors_BN >= 0,
   }
 
@@ -160,7 +162,8 @@ def bd3lm_noise(key, batch: int, seq_len: int, block_size: int, eps_min: float,
 
 
 def bd3lm_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, drop_BS):
-  """Per-token CE [B, S] of the x_t half given which tokens are masked (S % B == 0)."""
+  """(CE [B, S] of the x_t half given which tokens are masked (S % B == 0), whether
+  each label is in the draft vocabulary [B, S])."""
   cfg = drafter.cfg
   b, s = tokens_BS.shape
   pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
@@ -169,7 +172,10 @@ def bd3lm_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, drop_BS):
   mask = BD3LMContextMask(block_size=cfg.block_size, seq_len=s)
   hidden_BSD = drafter(target.embed(x_t_BS), pos_BS, ctx_k, ctx_v, mask, None,
                        context_first=False)
-  return token_cross_entropy(target.logits(hidden_BSD), tokens_BS)
+  label_idx_BS = drafter.draft_index(tokens_BS)
+  ce_BS = token_cross_entropy(drafter.draft_logits(target, hidden_BSD),
+                              jnp.maximum(label_idx_BS, 0))
+  return ce_BS, label_idx_BS >= 0
 
 
 def bd3lm_loss(drafter, target, batch, key, *, eps_min: float, eps_max: float,
@@ -182,8 +188,8 @@ def bd3lm_loss(drafter, target, batch, key, *, eps_min: float, eps_max: float,
   b, s = tokens_BS.shape
   taps = target_taps(target, tokens_BS, drafter.cfg.target_layer_ids)
   t_BS, drop_BS = bd3lm_noise(key, b, s, big_b, eps_min, eps_max, keep_first)
-  ce_BS = bd3lm_terms(drafter, target, taps, tokens_BS, drop_BS)
-  on_BS = (drop_BS & loss_mask_BS).astype(jnp.float32)
+  ce_BS, in_vocab_BS = bd3lm_terms(drafter, target, taps, tokens_BS, drop_BS)
+  on_BS = (drop_BS & loss_mask_BS & in_vocab_BS).astype(jnp.float32)
   loss = jnp.sum(ce_BS * on_BS / t_BS) / jnp.maximum(jnp.sum(loss_mask_BS), 1)
   masked_ce = jnp.sum(ce_BS * on_BS) / jnp.maximum(jnp.sum(on_BS), 1.0)
   return loss, {'masked_ce': masked_ce}
@@ -197,7 +203,20 @@ def _fit(a: np.ndarray, width: int) -> np.ndarray:
   return np.pad(a, ((0, 0), (0, width - a.shape[1])))
 
 
-def build_drafter(cfg, target_cfg, tokenizer_mask_id=None) -> DFlashDrafter:
+def frequent_tokens(tokens, loss_mask, count: int, vocab_size: int) -> tuple:
+  """The `count` token ids the target writes most often (ties: more frequent overall,
+  then lower id), sorted: the draft vocabulary of a reduced head."""
+  if not 0 < count <= vocab_size:
+    raise ValueError(f'dflash draft_vocab_size must be in [1, {vocab_size}] (or 0 for the '
+                     f'full vocabulary), got {count}')
+  written = np.bincount(tokens[loss_mask.astype(bool)].ravel(), minlength=vocab_size)
+  seen = np.bincount(tokens.ravel(), minlength=vocab_size)
+  ids = np.arange(vocab_size)
+  order = np.lexsort((ids, -seen[:vocab_size], -written[:vocab_size]))
+  return tuple(sorted(int(i) for i in order[:count]))
+
+
+def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DFlashDrafter:
   """A freshly initialised drafter for the config's `dflash` section and the target.
 
   mask_token_id < 0 takes the tokenizer's mask id, else the last vocab row.
@@ -210,7 +229,7 @@ def build_drafter(cfg, target_cfg, tokenizer_mask_id=None) -> DFlashDrafter:
       num_target_layers=target_cfg.num_layers, num_layers=d.num_layers,
       block_size=d.block_size, mask_token_id=mask_id,
       target_layer_ids=tuple(d.target_layer_ids), sliding_window=d.sliding_window or None,
-      attention_impl=d.attention_impl)
+      attention_impl=d.attention_impl, draft_vocab=draft_vocab)
   return DFlashDrafter(dcfg, target_cfg, rngs=nnx.Rngs(cfg.training.seed))
 
 
@@ -221,11 +240,14 @@ def build_task(cfg, workdir: str) -> TrainTask:
   from dspec.training.distill import load_distilled
   tcfg, d = cfg.training, cfg.dflash
   target, tokenizer, _ = build_target(cfg.model)
-  drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id)
-
   data = load_distilled(cfg.data.path)
   tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len)
   loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len)
+  draft_vocab = ()
+  if d.draft_vocab_size:
+    draft_vocab = frequent_tokens(tokens, loss_mask, d.draft_vocab_size,
+                                  target.cfg.vocab_size)
+  drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id, draft_vocab)
   n_held = int(round(len(tokens) * cfg.data.heldout_fraction))
   n_train = len(tokens) - n_held
   if n_train < 1:

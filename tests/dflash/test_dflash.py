@@ -27,7 +27,7 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashDrafter,
-                                 default_target_layer_ids)
+                                 default_target_layer_ids, load_dflash)
 from dspec.models.transformer import Transformer
 from dspec.training import dflash_task, tasks
 from pallas_kernels.block_attention import DFlashDraftMask, DFlashTrainMask
@@ -66,6 +66,7 @@ def toy(tmp_path_factory):
   cfg.model.source, cfg.model.path = 'checkpoint', target_dir
   cfg.data.path, cfg.data.heldout_fraction = str(data_dir), 0.0
   cfg.dflash.num_anchors = 16
+  cfg.dflash.draft_vocab_size = 64   # a reduced head (covers every written token here)
   cfg.training.update(num_steps=60, batch_size=4, seq_len=seq.shape[1], learning_rate=1e-2,
                       log_every=60, eval_every=60, ckpt_every=60)
   result = tasks.run_training(cfg, str(root / 'run'))
@@ -170,7 +171,7 @@ def test_bd3lm_objective(toy, block_ce):
   @jax.jit
   def run(taps, tokens):
     drop = jnp.broadcast_to(jnp.arange(s) % big_b != 0, tokens.shape)
-    ce_bd3 = dflash_task.bd3lm_terms(drafter, toy['target'], taps, tokens, drop)
+    ce_bd3, _ = dflash_task.bd3lm_terms(drafter, toy['target'], taps, tokens, drop)
     terms = dflash_task.dflash_terms(drafter, toy['target'], taps, tokens,
                                      jnp.ones_like(tokens, bool),
                                      jnp.arange(0, s, big_b)[None], 4.0)
@@ -235,6 +236,34 @@ def test_greedy_lossless_against_ar(toy, ragged_run):
   outs, state = generate(engine, toy['params'], toy['dparams'], [PROMPT], NEW_TOKENS)
   assert outs[0] == toy['continuation']
   assert int(state.stats.accepted_B[0]) > 0
+
+
+def test_reduced_draft_vocabulary(toy):
+  tokens = np.array([[5, 5, 7, 2, 2, 2]])
+  written = np.array([[0, 1, 1, 0, 0, 1]], bool)
+  assert dflash_task.frequent_tokens(tokens, written, 2, 10) == (2, 5)   # tie: 2 seen more
+  assert dflash_task.frequent_tokens(tokens, written, 4, 10) == (0, 2, 5, 7)
+  with pytest.raises(ValueError, match='draft_vocab_size'):
+    dflash_task.frequent_tokens(tokens, written, 11, 10)
+
+  trained = checkpoint.read_model_metadata(toy['cfg'].drafters.dflash.path, 'dflash')
+  vocab = trained['config']['dflash']['draft_vocab']
+  assert len(vocab) == 64 and set(toy['continuation']) <= set(vocab)
+  # Drop one token the target writes: it can never be drafted, output is unchanged.
+  dropped = toy['continuation'][5]
+  module = load_dflash(toy['cfg'].drafters.dflash.path,
+                       draft_vocab=tuple(i for i in vocab if i != dropped))
+  ids = jnp.asarray(module.cfg.draft_vocab)
+  hidden = jax.random.normal(jax.random.key(0), (1, 3, TOY.embed_dim))
+  np.testing.assert_allclose(module.draft_logits(toy['target'], hidden),
+                             toy['target'].logits(hidden)[..., ids], rtol=1e-6)
+  np.testing.assert_array_equal(module.token_ids(module.draft_index(ids)), ids)
+  assert int(module.draft_index(jnp.asarray(dropped))) == -1
+  drafter, dparams = DFlashDraftDrafter.create(module)
+  engine = SpeculativeEngine(toy['graphdef'], drafter=drafter)
+  outs, state = generate(engine, toy['params'], dparams, [PROMPT], NEW_TOKENS)
+  assert outs[0] == toy['continuation']
+  assert 0 < int(state.stats.accepted_B[0]) < int(state.stats.proposed_B[0])
 
 
 def test_sampled_output_matches_the_target(small_vocab_model):

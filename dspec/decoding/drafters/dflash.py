@@ -100,7 +100,7 @@ class DFlashDraftDrafter:
     steps = min(self.denoise_steps, g)
     for s in range(steps):
       logits_BGV = self.block_logits(model, cache, target, ctx, drafts_BG)
-      best_BG = jnp.argmax(logits_BGV, axis=-1).astype(jnp.int32)
+      best_BG = model.token_ids(jnp.argmax(logits_BGV, axis=-1))
       if s == steps - 1:
         fill_BG = masked_BG
       else:
@@ -124,7 +124,8 @@ class DFlashDraftDrafter:
   # ------------------------------------------------------------------------- helpers
 
   def block_logits(self, model: DFlashDrafter, cache: KVCache, target, ctx, drafts_BG):
-    """Draft logits [B, b−1, V] of slots 1..b−1 for the block [anchor, drafts_BG]."""
+    """Draft logits [B, b−1, V'] (draft vocabulary) of slots 1..b−1 for the block
+    [anchor, drafts_BG]."""
     b = ctx.tokens_BL.shape[0]
     anchor_pos_B = ctx.num_tokens_B - 1
     anchor_B = ctx.tokens_BL[jnp.arange(b), anchor_pos_B]
@@ -133,7 +134,7 @@ class DFlashDraftDrafter:
     mask = DFlashDraftMask(block_size=self.block_size, window=self.config.sliding_window)
     hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
                        mask, cache.lengths_B)
-    return target.logits(hidden_BTD[:, 1:])
+    return model.draft_logits(target, hidden_BTD[:, 1:])
 
 
 def _append_context(model: DFlashDrafter, cache: KVCache, taps_BTND, positions_BT):

@@ -1,0 +1,82 @@
+"""Draft pass vs verify pass: python scripts/bench_draft_cost.py --config=configs/demo.py.
+
+Times the configured drafter's `propose` (and per-step `update`) against the target's
+verify forward over γ+1 tokens on the decode state of the configured prompt (see
+dspec/bench/draft_cost.py). The DFlash goal is a draft pass <= 0.25x a verify pass at
+B=16. `--random_dflash_layers=N --random_dflash_vocab=V` measures an untrained DFlash
+drafter of that shape instead (for sizing one before training it).
+Expected: one line `draft/verify = ...` and, with --out, a JSON of the timings.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from dspec import cli  # noqa: E402
+from dspec.files import write_json_atomic  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
+                                          lock_config=True)
+_OUT = flags.DEFINE_string('out', None, 'Where to write the timings JSON.')
+_REPEATS = flags.DEFINE_integer('repeats', 30, 'Timed repeats (median).')
+_RANDOM_LAYERS = flags.DEFINE_integer('random_dflash_layers', 0,
+                                      'Measure an untrained DFlash drafter of N layers.')
+_RANDOM_VOCAB = flags.DEFINE_integer('random_dflash_vocab', 0,
+                                     'Its draft vocabulary size (0 = the full vocabulary).')
+
+
+def _random_dflash(cfg, target):
+  from flax import nnx
+
+  from dspec.decoding.drafters.dflash import DFlashDraftDrafter
+  from dspec.models.dflash import DFlashConfig, DFlashDrafter
+  vocab = range(_RANDOM_VOCAB.value) if _RANDOM_VOCAB.value else ()
+  dcfg = DFlashConfig.create(target.cfg.num_layers, num_layers=_RANDOM_LAYERS.value,
+                             block_size=cfg.drafters.dflash.block_size or 16,
+                             mask_token_id=1, draft_vocab=vocab)
+  return DFlashDraftDrafter.create(DFlashDrafter(dcfg, target.cfg, rngs=nnx.Rngs(0)))
+
+
+def main(argv):
+  del argv
+  from flax import nnx
+
+  from dspec.bench.draft_cost import draft_vs_verify
+  from dspec.decoding import runner
+  from dspec.decoding.drafters import registry
+  from dspec.decoding.engine import SpeculativeEngine
+  from dspec.training.corpus import load_prompts
+  cfg = _CONFIG.value
+  target, tokenizer, max_seq_len = runner.build_target(cfg.model)
+  prompt = load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index] \
+      if cfg.prompt_set else cfg.prompt
+  prompt_BP, prompt_len_B = runner.encode_prompts([prompt], tokenizer, target.cfg.vocab_size,
+                                                  cfg.batch_size, max_seq_len,
+                                                  cfg.max_new_tokens)
+  if _RANDOM_LAYERS.value:
+    drafter, dparams = _random_dflash(cfg, target)
+    method = f'dflash (untrained, {_RANDOM_LAYERS.value} layers, vocab ' \
+             f'{_RANDOM_VOCAB.value or target.cfg.vocab_size})'
+  else:
+    drafter, dparams = registry.build_drafter(cfg, target)
+    method = cfg.drafter
+  graphdef, tparams = nnx.split(target)
+  engine = SpeculativeEngine(graphdef, drafter=drafter)
+  state = engine.prefill(tparams, dparams, prompt_BP, prompt_len_B,
+                         max_new_tokens=cfg.max_new_tokens)
+  result = dict(method=method, prompt_tokens=int(prompt_len_B[0]),
+                **draft_vs_verify(engine, tparams, dparams, state, _REPEATS.value))
+  print(f'{method}: γ={result["num_draft"]} propose {1e3 * result["propose_s"]:.2f} ms, '
+        f'update {1e3 * result["update_s"]:.2f} ms, verify {1e3 * result["verify_s"]:.2f} ms; '
+        f'draft/verify = {result["draft_over_verify"]:.3f} '
+        f'(propose/verify {result["propose_over_verify"]:.3f})')
+  if _OUT.value:
+    write_json_atomic(_OUT.value, result)
+
+
+if __name__ == '__main__':
+  cli.run(main)
