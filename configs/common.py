@@ -134,6 +134,8 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'max_minutes': 0.0,       # 0 = no wall-clock cap; else stop, checkpoint and export
       'storage_dtype': 'float32',
       'heldout_fraction': 0.02,
+      'init_from': '',          # target / mtp_joint: start the target from this checkpoint
+      'corpus_eval': False,     # mtp_posthoc: also evaluate on held-out corpus windows
       'mixture': {'python_stdlib': 0.6, 'gsm8k': 0.4},
       'mesh': '',               # e.g. 'fsdp=4,tensor=2'; '' = single device
       'sharding_rules': SHARDING_RULES,

@@ -1,4 +1,5 @@
-"""Speculative-decoding metrics (DESIGN §9) from the engine's per-row counters."""
+"""Speculative-decoding metrics (DESIGN §9) from the engine's per-row counters, and the
+n-gram diversity of generated text (how loop-prone a target's greedy outputs are)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,17 @@ def acceptance_metrics(stats, rows=None) -> dict:
       'tau_histogram': [int(c) for c in total_hist],   # index n: steps committing n + 1
       'verify_steps': int(steps.sum()),
   }
+
+
+def distinct_ngram_ratio(sequences, n: int = 4) -> float:
+  """Mean over sequences of (distinct n-grams / n-grams) of each token sequence.
+
+  1.0 means no n-gram repeats within an output; a greedy loop of period p drives it
+  towards p / length. Sequences shorter than n are skipped (nan when none is long enough).
+  """
+  ratios = []
+  for seq in sequences:
+    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+    if grams:
+      ratios.append(len(set(grams)) / len(grams))
+  return float(np.mean(ratios)) if ratios else float('nan')

@@ -46,7 +46,7 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixHostDrafter)
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.metrics import acceptance_metrics
+from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
 from dspec.training import corpus
 
 MT_BENCH_CATEGORIES = ('writing', 'roleplay', 'reasoning', 'math', 'coding', 'extraction',
@@ -280,7 +280,10 @@ class Benchmark:
       self.entropy[dataset, temperature] = meter.moments()
     entropy = self.entropy[dataset, temperature]
     args = (temperature, batch_size)
-    self.rows.append(_row(dataset, 'ar', *args, None, ar, ar, entropy, cfg.max_new_tokens))
+    ar_row = _row(dataset, 'ar', *args, None, ar, ar, entropy, cfg.max_new_tokens)
+    ar_row.update(distinct_4=distinct_ngram_ratio(ar.outputs, 4),
+                  sample=self.tokenizer.decode(ar.outputs[0]))
+    self.rows.append(ar_row)
     runs = {'ar': ar}
     for method, size in self.plan:
       run_cfg = run_config(cfg, method, temperature, batch_size, size)

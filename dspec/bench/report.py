@@ -287,6 +287,15 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
         f'{"met" if peer["goal_speculative"] else "not met"}).',
         f'- HF assistant model: {peer["assistant"]}; HF AR "same output" compares with '
         f'dspec AR, the others with HF AR.', '']
+  ar_rows = [r for r in dspec_rows if r['method'] == 'ar' and 'distinct_4' in r]
+  if ar_rows:
+    parts += [f'{heading} The target\'s own output (AR)', '',
+              'distinct-4 = mean over prompts of distinct / total 4-grams of the AR output '
+              '(1.0: no repeated 4-gram; a loop of period p tends to p / length). The sample '
+              'is the first prompt\'s output.', '',
+              _table(['dataset', 'T', 'batch', 'distinct-4', 'sample (first prompt)'],
+                     [[r['dataset'], r['temperature'], r['batch_size'], r['distinct_4'],
+                       _sample_cell(r['sample'])] for r in ar_rows]), '']
   parts += [f'{heading} Entropy and speed-of-light bound per dataset', '',
             'μ = mean next-token entropy (nats) of the target along its AR outputs, μ₂ = mean '
             'Σp(log p)²; bound(P) = min(P, 1 + (μ+μ₂)·ln P/μ²) (`dspec/bench/sol.py`). At T=0 '
@@ -309,6 +318,12 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
         r['tau'], r['acceptance_rate'], r['speedup'], r['tokens_per_s'], r['ar_tokens_per_s'],
         r['lossless_fraction'], r['sol_bound'], r['compile_s']] for r in dspec_rows]), '']
   return parts
+
+
+def _sample_cell(text: str, limit: int = 160) -> str:
+  """One table cell of generated text: newlines shown as ⏎, pipes escaped, truncated."""
+  text = text if len(text) <= limit else text[:limit] + '…'
+  return '`' + text.replace('\n', '⏎').replace('|', '\\|').replace('`', "'") + '`'
 
 
 def _bound(entropy: dict, width: int) -> float:

@@ -146,6 +146,21 @@ def _chunks(tokens, mask, batch_size: int):
   return out
 
 
+def corpus_evaluator(cfg, workdir: str, vocab_size: int):
+  """evaluate(mtp, target) -> `corpus/` per-depth metrics on the held-out windows of the
+  training corpora (`training.mixture`): agreement with the target's own argmax along real
+  text. Joint and post-hoc MTPs are compared on it (each with its own target)."""
+  from dspec.tokenizer import load_tokenizer
+  from dspec.training import target_lm
+  tcfg = cfg.training
+  tokenizer = load_tokenizer(cfg.model.tokenizer_dir or None, vocab_size)
+  heldout = target_lm.packed_windows(cfg, tokenizer, 'heldout',
+                                     os.path.join(workdir, 'data'))
+  rows = np.concatenate([w[:tcfg.eval_windows] for w in heldout.values()])
+  evaluate = _evaluator(_chunks(rows, np.ones_like(rows, bool), tcfg.batch_size))
+  return lambda mtp, target: {f'corpus/{k}': v for k, v in evaluate(mtp, target).items()}
+
+
 def mtp_config(cfg) -> MTPConfig:
   return MTPConfig.from_dict(dict(cfg.mtp.items()))
 
@@ -155,7 +170,6 @@ def mtp_config(cfg) -> MTPConfig:
 
 def build_joint_task(cfg, workdir: str) -> TrainTask:
   """'mtp_joint': a fresh target (as `target_lm`) plus D MTP depths, trained together."""
-  from dspec.tokenizer import load_tokenizer
   from dspec.training import target_lm
   tcfg = cfg.training
   base = target_lm.build_task(cfg, workdir)
@@ -170,11 +184,7 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
     batch['mtp_lambda'] = np.float32(lambda_at(schedule, step, tcfg.num_steps))
     return batch
 
-  tokenizer = load_tokenizer(cfg.model.tokenizer_dir or None, target.cfg.vocab_size)
-  heldout = target_lm.packed_windows(cfg, tokenizer, 'heldout',
-                                     os.path.join(workdir, 'data'))
-  rows = np.concatenate([w[:tcfg.eval_windows] for w in heldout.values()])
-  mtp_eval = _evaluator(_chunks(rows, np.ones_like(rows, bool), tcfg.batch_size))
+  mtp_eval = corpus_evaluator(cfg, workdir, target.cfg.vocab_size)
 
   def evaluate(model, frozen) -> dict:
     return dict(base.evaluate(model.target, frozen), **mtp_eval(model.mtp, model.target))
@@ -223,10 +233,16 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
 
 
 def build_posthoc_task(cfg, workdir: str) -> TrainTask:
-  """'mtp_posthoc' from a config: the frozen target `cfg.model`, data at `cfg.data.path`."""
-  del workdir
+  """'mtp_posthoc' from a config: the frozen target `cfg.model`, data at `cfg.data.path`;
+  with `training.corpus_eval` also the `corpus/` metrics (as the joint task logs)."""
   from dspec.decoding.runner import build_target
   from dspec.training.distill import load_distilled
   target, _, _ = build_target(cfg.model)
-  return posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
+  task = posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
                       cfg.data.heldout_fraction, cfg.data.path)
+  if cfg.training.get('corpus_eval'):
+    on_corpus = corpus_evaluator(cfg, workdir, target.cfg.vocab_size)
+    on_distilled = task.evaluate
+    task.evaluate = lambda mtp, target: dict(on_distilled(mtp, target),
+                                             **on_corpus(mtp, target))
+  return task

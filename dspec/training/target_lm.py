@@ -47,8 +47,18 @@ def lm_loss(model, frozen, batch, key):
   return loss, {}
 
 
+def init_target(model: Transformer, path: str) -> None:
+  """Starts from a saved target of the same shape (continued training, fine-tuning)."""
+  saved = checkpoint.read_model_metadata(path, 'target')['config']
+  if TransformerConfig.from_dict(saved) != model.cfg:
+    raise ValueError(f'training.init_from={path} holds a target of another shape than '
+                     f'cfg.model.shape')
+  checkpoint.load_model_state(path, model, 'target')
+
+
 def build_task(cfg, workdir: str) -> TrainTask:
-  """The target-pretraining task described by a demo_target-style config."""
+  """The target-pretraining task described by a demo_target-style config (from random
+  weights, or from the target at `training.init_from` when set)."""
   tcfg = cfg.training
   model_cfg = TransformerConfig(**cfg.model.shape)
   tokenizer = load_tokenizer(cfg.model.tokenizer_dir or None, model_cfg.vocab_size)
@@ -89,5 +99,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
           shutil.copy(src, os.path.join(path, name))
 
   model = Transformer(model_cfg, rngs=nnx.Rngs(tcfg.seed))
+  if tcfg.get('init_from'):
+    init_target(model, tcfg.init_from)
   return TrainTask(model=model, frozen=None, loss_fn=lm_loss, get_batch=get_batch,
                    evaluate=evaluate, export=export)

@@ -51,6 +51,9 @@ def test_tiny_bench_end_to_end(bench_dir):
   with open(os.path.join(bench_dir, report.META)) as f:
     meta = json.load(f)
   assert meta['peer']['dspec_ar_tokens_per_s'] > 0 and meta['entropy']
+  for r in dspec_rows:
+    if r['method'] == 'ar':
+      assert 0.0 < r['distinct_4'] <= 1.0 and isinstance(r['sample'], str)
 
 
 def test_results_section_renders(bench_dir):
@@ -58,6 +61,7 @@ def test_results_section_renders(bench_dir):
   assert 'Command: `python scripts/benchmark.py (test)`' in text and 'Machine:' in text
   assert 'Date:' in text and '| ngram (4) |' in text
   assert f'({os.path.basename(bench_dir)}/speedup_by_dataset.png)' in text
+  assert "The target's own output (AR)" in text and '| distinct-4 |' in text
 
 
 def test_interrupted_write_leaves_no_results(tmp_path, monkeypatch):
@@ -87,6 +91,15 @@ def test_interrupted_run_removes_stale_results(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     harness.run_benchmark(_tiny_cfg(), str(tmp_path))
   assert not os.path.exists(tmp_path / report.RESULTS)
+
+
+def test_distinct_ngram_ratio():
+  from dspec.metrics import distinct_ngram_ratio
+  assert distinct_ngram_ratio([[1, 2, 3, 4, 5]], 4) == 1.0
+  assert distinct_ngram_ratio([[7, 8] * 10], 4) == pytest.approx(2 / 17)   # period-2 loop
+  assert distinct_ngram_ratio([[1, 2, 3, 4, 5], [7, 8] * 10, [1]], 4) == pytest.approx(
+      (1 + 2 / 17) / 2)
+  assert math.isnan(distinct_ngram_ratio([[1, 2]], 4))
 
 
 def test_sol_bound_formula():
