@@ -126,12 +126,12 @@ def test_bad_method_and_peer_settings_are_user_errors():
     harness.validate(cfg)
 
 
-@pytest.mark.parametrize('arg', [None, 'quick', 'full'])
+@pytest.mark.parametrize('arg', [None, 'quick', 'full', 'goals'])
 def test_demo_bench_presets_plan_every_method(arg):
   cfg = bench_demo.get_config(arg)
   harness.validate(cfg)
   plan, skipped = harness.plan_methods(cfg)
   assert not skipped and {m for m, _ in plan} == {'ngram', 'suffix', 'mtp', 'dflash'}
-  assert len(cfg.bench.datasets) == 8 and cfg.bench.hf_peer
+  assert len(cfg.bench.datasets) == (2 if arg == 'goals' else 8) and cfg.bench.hf_peer
   cfg.drafters.mtp.path = ''
   assert 'mtp' in harness.plan_methods(cfg)[1], 'a method without a checkpoint is skipped'
