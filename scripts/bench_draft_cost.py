@@ -49,14 +49,11 @@ def main(argv):
   from dspec.decoding import runner
   from dspec.decoding.drafters import registry
   from dspec.decoding.engine import SpeculativeEngine
-  from dspec.training.corpus import load_prompts
   cfg = _CONFIG.value
   target, tokenizer, max_seq_len = runner.build_target(cfg.model)
-  prompt = load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index] \
-      if cfg.prompt_set else cfg.prompt
-  prompt_BP, prompt_len_B = runner.encode_prompts([prompt], tokenizer, target.cfg.vocab_size,
-                                                  cfg.batch_size, max_seq_len,
-                                                  cfg.max_new_tokens)
+  prompt_BP, prompt_len_B = runner.encode_prompts(
+      [runner.configured_prompt(cfg)], tokenizer, target.cfg.vocab_size, cfg.batch_size,
+      max_seq_len, cfg.max_new_tokens)
   if _RANDOM_LAYERS.value:
     drafter, dparams = _random_dflash(cfg, target)
     method = f'dflash (untrained, {_RANDOM_LAYERS.value} layers, vocab ' \

@@ -9,25 +9,11 @@ DFlash context K/V append or the MTP catch-up).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def _median_seconds(fns, repeats: int) -> list:
-  """Median wall time of each zero-argument function, interleaved, after one warm-up."""
-  for fn in fns:
-    jax.block_until_ready(fn())
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for i, fn in enumerate(fns):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[i].append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in times]
+from dspec.bench.timing import median_times
 
 
 def draft_vs_verify(engine, target_params, drafter_params, state, repeats: int = 20) -> dict:
@@ -56,7 +42,7 @@ def draft_vs_verify(engine, target_params, drafter_params, state, repeats: int =
 
   b = state.tokens_BL.shape[0]
   verify_BG1 = jnp.zeros((b, drafter.num_draft + 1), jnp.int32)
-  t_propose, t_verify, t_verify_update = _median_seconds([
+  t_propose, t_verify, t_verify_update = median_times([
       lambda: propose(drafter_params, target_params, state),
       lambda: verify(target_params, state.cache, verify_BG1),
       lambda: update(drafter_params, target_params, state, verify_BG1),

@@ -9,16 +9,25 @@ import jax
 import jax.numpy as jnp
 
 
+def median_times(fns, repeats: int = 5, warmup: int = 1) -> list:
+  """Median wall seconds of each zero-argument function (results are blocked on) after
+  `warmup` calls of each; the timed calls are interleaved round by round, so drift in
+  machine load hits every function alike."""
+  for _ in range(warmup):
+    for fn in fns:
+      jax.block_until_ready(fn())
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for i, fn in enumerate(fns):
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[i].append(time.perf_counter() - t)
+  return [statistics.median(t) for t in times]
+
+
 def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
   """Median wall seconds of `fn()` (results are blocked on) after `warmup` calls."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return median_times([fn], repeats, warmup)[0]
 
 
 def read_bandwidth_bytes_per_s(num_bytes: int, repeats: int = 7) -> float:

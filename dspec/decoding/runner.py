@@ -140,6 +140,15 @@ def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_le
           'new_tokens': new_tokens, 'tokens_per_s': new_tokens / decode_s}
 
 
+def configured_prompt(cfg) -> str:
+  """The config's prompt: `prompt_set[prompt_index]` when a prompt set is named, else
+  `prompt`."""
+  if not cfg.prompt_set:
+    return cfg.prompt
+  from dspec.training.corpus import load_prompts
+  return load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index]
+
+
 def run_decode(cfg, prompts: Optional[Sequence] = None) -> dict:
   """Runs the configured drafter (and AR when compared or needed); returns the report.
 
@@ -151,11 +160,7 @@ def run_decode(cfg, prompts: Optional[Sequence] = None) -> dict:
   target, tokenizer, max_seq_len = build_target(cfg.model, placement)
   placement = placement and placement.for_model(target.cfg)
   on_mesh = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
-  if not prompts:
-    prompts = [cfg.prompt]
-    if cfg.prompt_set:
-      from dspec.training.corpus import load_prompts
-      prompts = [load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index]]
+  prompts = prompts or [configured_prompt(cfg)]
   prompt_BP, prompt_len_B = encode_prompts(prompts, tokenizer, target.cfg.vocab_size,
                                            cfg.batch_size, max_seq_len, cfg.max_new_tokens)
   graphdef, target_params = nnx.split(target)

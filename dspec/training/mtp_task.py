@@ -75,8 +75,9 @@ def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
     count.append(jnp.sum(w_BT))
     leading_BT = leading_BT * hit_BT
     run_BT = run_BT + leading_BT
+  # w_BT is now the deepest depth's mask: positions where every depth is supervised.
   return {'ce': jnp.stack(ce), 'agree': jnp.stack(agree), 'count': jnp.stack(count),
-          'run': jnp.sum(run_BT * w_BT), 'runs': jnp.sum(w_BT)}
+          'run': jnp.sum(run_BT * w_BT)}
 
 
 def depth_metrics(sums: dict) -> dict:
@@ -86,7 +87,7 @@ def depth_metrics(sums: dict) -> dict:
   positions where every depth is supervised: the greedy τ of a D-token MTP draft.
   """
   count = jnp.maximum(sums['count'], 1.0)
-  out = {'tau_est': 1.0 + sums['run'] / jnp.maximum(sums['runs'], 1.0)}
+  out = {'tau_est': 1.0 + sums['run'] / count[-1]}
   for k in range(sums['ce'].shape[0]):
     out[f'loss_d{k + 1}'] = sums['ce'][k] / count[k]
     out[f'agree_d{k + 1}'] = sums['agree'][k] / count[k]
