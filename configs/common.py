@@ -106,7 +106,7 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.prompt = 'def fibonacci(n):'
   cfg.prompt_set = ''         # e.g. humaneval | gsm8k_test: take the prompt from a dataset
   cfg.prompt_index = 0
-  cfg.data_dir = '../shared/data'
+  cfg.data_dir = 'data'       # GSM8K and Spec-Bench ship in the repo (data/README.md)
   cfg.timing_repeats = 3      # timed runs after warm-up; the median is reported
   cfg.drafters = drafter_configs()
   return cfg
@@ -121,7 +121,9 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'batch_size': 16,
       'seq_len': 256,
       'learning_rate': 3e-3,
+      'schedule': 'cosine',     # cosine | wsd (warmup-stable-decay, extendable)
       'warmup_ratio': 0.04,
+      'decay_ratio': 0.1,       # wsd: the final fraction of num_steps that decays
       'weight_decay': 0.1,
       'grad_clip': 1.0,
       'b1': 0.9,
@@ -135,6 +137,8 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'storage_dtype': 'float32',
       'heldout_fraction': 0.02,
       'init_from': '',          # target / mtp_joint: start the target from this checkpoint
+      'continue_from_init': False,  # no workdir checkpoint: warm restart at init's step
+      'export_every': 0,        # > 0: also export the model to <workdir>/export this often
       'corpus_eval': False,     # mtp_posthoc: also evaluate on held-out corpus windows
       'mixture': {'python_stdlib': 0.6, 'gsm8k': 0.4},
       'mesh': '',               # e.g. 'fsdp=4,tensor=2'; '' = single device

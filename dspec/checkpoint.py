@@ -275,6 +275,15 @@ def read_model_metadata(path, kind: str) -> dict:
   return metadata
 
 
+def read_train_step(path) -> int:
+  """The training step a model export was written at (`extra.train_step`; 0 if absent)."""
+  extra = _read_metadata(_as_path(path)).get('extra') or {}
+  step = extra.get('train_step', 0)
+  if not isinstance(step, int) or step < 0:
+    raise CheckpointError(f'{path}: bad extra.train_step {step!r} in metadata')
+  return step
+
+
 def load_target(path) -> tuple[Transformer, dict]:
   """Loads a `kind='target'` checkpoint into a new Transformer; returns (model, metadata)."""
   path = _as_path(path)

@@ -215,12 +215,12 @@ class DFlashDrafter(nnx.Module):
 
 
 def save_dflash(path, drafter: DFlashDrafter, *, storage_dtype: str = 'float32',
-                force: bool = False) -> None:
+                force: bool = False, extra: dict | None = None) -> None:
   """`checkpoint.save_model` with the drafter's and the target's configs."""
   checkpoint.save_model(path, drafter, kind=CHECKPOINT_KIND,
                         config={'dflash': drafter.cfg.to_dict(),
                                 'target': drafter.target_cfg.to_dict()},
-                        storage_dtype=storage_dtype, force=force)
+                        storage_dtype=storage_dtype, extra=extra, force=force)
 
 
 def load_dflash(path, **overrides) -> DFlashDrafter:

@@ -166,11 +166,12 @@ def shifted(x_BS, shift: int, length: int):
   return jnp.pad(out, ((0, 0), (0, pad))) if pad else out
 
 
-def save_mtp(path, mtp: MTP, *, storage_dtype: str = 'float32', force: bool = False) -> None:
+def save_mtp(path, mtp: MTP, *, storage_dtype: str = 'float32', force: bool = False,
+             extra: dict | None = None) -> None:
   """`checkpoint.save_model` with the MTP's and the target's configs."""
   checkpoint.save_model(path, mtp, kind=CHECKPOINT_KIND,
                         config={'mtp': mtp.cfg.to_dict(), 'target': mtp.target_cfg.to_dict()},
-                        storage_dtype=storage_dtype, force=force)
+                        storage_dtype=storage_dtype, extra=extra, force=force)
 
 
 def load_mtp(path) -> MTP:

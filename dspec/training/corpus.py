@@ -4,6 +4,9 @@ Corpora (`CORPORA[name](data_dir)` yields `Document`s in a fixed order):
   python_stdlib   the Python standard library's own .py files (tests, idlelib, lib2to3,
                   site-packages and the generated tables in encodings/ and pydoc_data/
                   excluded); needs no data_dir
+  python_packages the .py sources of permissively licensed packages installed beside dspec
+                  (PYTHON_PACKAGES: name -> licence; tests and vendored code excluded);
+                  needs no data_dir. Which files exist depends on the installed versions.
   gsm8k           `{data_dir}/gsm8k/train.jsonl`, one document per problem:
                   `format_gsm8k_prompt(question) + " " + answer`
   gsm8k_test      the same for `{data_dir}/gsm8k/test.jsonl`
@@ -36,6 +39,17 @@ _STDLIB_EXCLUDED_DIRS = frozenset(
     {'site-packages', 'dist-packages', 'test', 'tests', 'idlelib', 'lib2to3', '__pycache__',
      'encodings', 'pydoc_data'})  # generated tables, not code
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Installed packages whose Python source is training text, with their licences. numpy, jax,
+# flax, optax, orbax, absl and ml_collections are dspec dependencies; scipy and torch come
+# with the `test` extra. Packages that are not installed are skipped.
+PYTHON_PACKAGES = {
+    'numpy': 'BSD-3-Clause', 'jax': 'Apache-2.0', 'flax': 'Apache-2.0',
+    'optax': 'Apache-2.0', 'orbax': 'Apache-2.0', 'absl': 'Apache-2.0',
+    'ml_collections': 'Apache-2.0', 'scipy': 'BSD-3-Clause', 'torch': 'BSD-3-Clause',
+}
+_PACKAGE_EXCLUDED_DIRS = frozenset(
+    {'test', 'tests', 'testing', '_vendor', 'vendored', 'third_party', '__pycache__'})
+_MAX_SOURCE_BYTES = 400_000  # larger .py files are generated tables, not code
 _DEF_LINE = re.compile(r'^(\s*)(async\s+)?def\s+\w+')
 
 
@@ -89,16 +103,39 @@ def _python_stdlib(data_dir: str) -> Iterator[Document]:
   """The standard library's .py files, sorted by relative path; empty files skipped."""
   del data_dir  # the standard library ships with Python
   root = stdlib_root()
+  for path in _python_files(root, _STDLIB_EXCLUDED_DIRS):
+    text = path.read_bytes().decode('utf-8', errors='replace')
+    if text.strip():
+      rel = path.relative_to(root).as_posix()
+      yield Document(text=text, domain='python_stdlib', id=f'python_stdlib/{rel}')
+
+
+def _python_files(root: Path, excluded_dirs: frozenset) -> Iterator[Path]:
+  """Non-empty .py files under `root` in sorted order, skipping `excluded_dirs`."""
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS)
+    dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs)
     for name in sorted(filenames):
-      if not name.endswith('.py'):
+      if name.endswith('.py'):
+        yield Path(dirpath) / name
+
+
+def _python_packages(data_dir: str) -> Iterator[Document]:
+  """The Python sources of the installed PYTHON_PACKAGES, package by package."""
+  del data_dir
+  import importlib.util
+  for package in PYTHON_PACKAGES:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    root = Path(list(spec.submodule_search_locations)[0])
+    for path in _python_files(root, _PACKAGE_EXCLUDED_DIRS):
+      if path.stat().st_size > _MAX_SOURCE_BYTES:
         continue
-      path = Path(dirpath) / name
       text = path.read_bytes().decode('utf-8', errors='replace')
       if text.strip():
         rel = path.relative_to(root).as_posix()
-        yield Document(text=text, domain='python_stdlib', id=f'python_stdlib/{rel}')
+        yield Document(text=text, domain='python_packages',
+                       id=f'python_packages/{package}/{rel}')
 
 
 def _gsm8k_documents(data_dir: str, split: str) -> Iterator[Document]:
@@ -111,6 +148,7 @@ def _gsm8k_documents(data_dir: str, split: str) -> Iterator[Document]:
 
 CORPORA: dict[str, Callable[[str], Iterator[Document]]] = {
     'python_stdlib': _python_stdlib,
+    'python_packages': _python_packages,
     'gsm8k': lambda data_dir: _gsm8k_documents(data_dir, 'train'),
     'gsm8k_test': lambda data_dir: _gsm8k_documents(data_dir, 'test'),
 }

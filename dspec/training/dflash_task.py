@@ -289,8 +289,9 @@ def build_task(cfg, workdir: str) -> TrainTask:
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     return {k: float(v) for k, v in dflash_metrics(total).items()}
 
-  def export(model, path):
-    save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True)
+  def export(model, path, step):
+    save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True,
+                extra={'train_step': step})
 
   return TrainTask(model=drafter, frozen=target, loss_fn=loss_fn, get_batch=get_batch,
                    evaluate=evaluate, export=export)

@@ -190,11 +190,11 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
   def evaluate(model, frozen) -> dict:
     return dict(base.evaluate(model.target, frozen), **mtp_eval(model.mtp, model.target))
 
-  def export(model, path):
+  def export(model, path, step):
     os.makedirs(path, exist_ok=True)
-    base.export(model.target, os.path.join(path, 'target'))
+    base.export(model.target, os.path.join(path, 'target'), step)
     save_mtp(os.path.join(path, 'mtp'), model.mtp, storage_dtype=tcfg.storage_dtype,
-             force=True)
+             force=True, extra={'train_step': step})
 
   return TrainTask(model=model, frozen=None,
                    loss_fn=functools.partial(joint_loss, weights=weights),
@@ -225,8 +225,9 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
     rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
     return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
 
-  def export(model, path):
-    save_mtp(path, model, storage_dtype=tcfg.storage_dtype, force=True)
+  def export(model, path, step):
+    save_mtp(path, model, storage_dtype=tcfg.storage_dtype, force=True,
+             extra={'train_step': step})
 
   return TrainTask(model=mtp, frozen=target,
                    loss_fn=functools.partial(posthoc_loss, weights=weights),

@@ -89,9 +89,10 @@ def build_task(cfg, workdir: str) -> TrainTask:
       out[f'heldout_loss/{name}'] = float(np.mean(losses)) if losses else float('nan')
     return out
 
-  def export(model, path):
+  def export(model, path, step):
     checkpoint.save_model(path, model, kind='target', config=model_cfg.to_dict(),
-                          storage_dtype=tcfg.storage_dtype, force=True)
+                          storage_dtype=tcfg.storage_dtype, extra={'train_step': step},
+                          force=True)
     if cfg.model.tokenizer_dir:
       for name in ('tokenizer.json', 'tokenizer_config.json'):
         src = os.path.join(cfg.model.tokenizer_dir, name)

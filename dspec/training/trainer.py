@@ -21,7 +21,7 @@ from absl import logging
 from flax import nnx
 
 from dspec import checkpoint, sharding
-from dspec.training.optimizer import make_optimizer
+from dspec.training import optimizer as optimizer_lib
 
 
 @dataclasses.dataclass
@@ -31,7 +31,8 @@ class TrainTask:
   loss_fn(model, frozen, batch, key) -> (loss, metrics dict of scalars)
   get_batch(step) -> dict of numpy arrays (deterministic in step)
   evaluate(model, frozen) -> dict of floats (held-out metrics), or None
-  export(model, path) writes the final model (dspec checkpoint).
+  export(model, path, step) writes the model (dspec checkpoint) with `train_step=step` in its
+    metadata's `extra`, so training can continue from it on another machine.
   """
 
   model: nnx.Module
@@ -49,9 +50,15 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   grad_clip, b1, b2, seed, log_every, eval_every, ckpt_every, max_minutes; optional
   mesh and sharding_rules: params, optimizer state and the frozen model are then sharded
   (fsdp + tensor, `dspec/sharding.py`) and batches split over the batch axes).
+
+  Resuming: the newest checkpoint under `workdir/checkpoints` restores everything (params,
+  optimizer moments, step). Without one, `continue_from_init=True` makes a warm restart
+  from the export at `init_from` (which the task loaded into the model): training continues
+  at the step recorded in it, the schedule where it was, with fresh optimizer moments.
+  `export_every` > 0 also exports the model to `workdir/export` every that many steps.
   """
   os.makedirs(workdir, exist_ok=True)
-  optimizer = make_optimizer(cfg)
+  optimizer = optimizer_lib.make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
   placement = sharding.placement_from_config(cfg, sharding.find_model_config(task.model))
   frozen = task.frozen
@@ -72,6 +79,11 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
       params, opt_state = placement.put_params(params), placement.put_params(opt_state)
     start_step = latest
     logging.info('resumed from step %d', latest)
+  elif cfg.get('continue_from_init') and cfg.get('init_from'):
+    start_step = checkpoint.read_train_step(cfg.init_from)
+    opt_state = optimizer_lib.set_step(opt_state, start_step)
+    print(f'warm restart from {cfg.init_from} at step {start_step} (fresh optimizer moments)',
+          flush=True)
 
   def loss_of_params(p, frozen, batch, key):
     return task.loss_fn(nnx.merge(graphdef, p, rest), frozen, batch, key)
@@ -117,6 +129,8 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
         f.write(json.dumps(last) + '\n')
     if done % cfg.ckpt_every == 0 or done == cfg.num_steps or out_of_time:
       ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
+    if task.export is not None and cfg.get('export_every') and done % cfg.export_every == 0:
+      task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
     if out_of_time:
       logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
       break
@@ -124,5 +138,5 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   ckpt.close()
   model = nnx.merge(graphdef, params, rest)
   if task.export is not None:
-    task.export(model, os.path.join(workdir, 'final'))
+    task.export(model, os.path.join(workdir, 'final'), step + 1)
   return {'last': last, 'eval': evals, 'steps': step + 1 - start_step}
