@@ -9,14 +9,22 @@ Orbax writes both into a temporary sibling directory and renames it to PATH only
 file is complete, so an interrupted save leaves no PATH (only a `*.orbax-checkpoint-tmp*`
 folder, which `load_tree` refuses). `TrainCheckpointer` keeps numbered steps of the same
 two items under one directory for resumable training.
+
+Every save records a SHA-256 of each array (dtype, shape and bytes) in the metadata
+(`array_sha256`); loads recompute them and name the first array that does not match.
+Checkpoints from before checksums load as "unverified" (with a warning). Replacing an
+existing checkpoint (`force=True`) only ever replaces a dspec checkpoint directory, and
+the old one is removed only once the new one is complete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import jax
@@ -34,6 +42,14 @@ STORAGE_DTYPES = ('float32', 'bfloat16')
 _STATE_ITEM = 'state'
 _METADATA_ITEM = 'metadata'
 _TMP_MARKER = '.orbax-checkpoint-tmp'
+_CHECKSUMS = 'array_sha256'
+# What a checkpoint directory may hold: orbax's items and markers, and tokenizer files that
+# exports and `convert_hf.py` copy next to the weights. `force=True` replaces nothing else.
+_CHECKPOINT_ENTRIES = frozenset({
+    _STATE_ITEM, _METADATA_ITEM, '_CHECKPOINT_METADATA', 'commit_success.txt',
+    'tokenizer.json', 'tokenizer_config.json', 'generation_config.json',
+    'special_tokens_map.json'})
+_unverified_warned = set()
 
 
 class CheckpointError(Exception):
@@ -67,6 +83,65 @@ def leaf_paths(tree) -> dict[str, Any]:
 
 def _shape(leaf) -> tuple:
   return tuple(leaf.shape) if hasattr(leaf, 'shape') else np.shape(leaf)
+
+
+def _addressable(leaf) -> bool:
+  return getattr(leaf, 'is_fully_addressable', True)
+
+
+def array_sha256(leaf) -> str:
+  """SHA-256 of one array's dtype, shape and bytes (device arrays are fetched first)."""
+  a = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+  digest = hashlib.sha256(f'{a.dtype.name}{a.shape}'.encode())
+  digest.update(a.reshape(-1).view(np.uint8))
+  return digest.hexdigest()
+
+
+def tree_checksums(tree) -> dict[str, str]:
+  """{leaf path: array_sha256} of every leaf this process can read in full."""
+  return {name: array_sha256(leaf) for name, leaf in leaf_paths(tree).items()
+          if _addressable(leaf)}
+
+
+def params_sha256(tree) -> str:
+  """One SHA-256 over every leaf of `tree` (names, dtypes, shapes, bytes): a weights
+  fingerprint."""
+  digest = hashlib.sha256()
+  for name, value in sorted(tree_checksums(tree).items()):
+    digest.update(f'{name}={value};'.encode())
+  return digest.hexdigest()
+
+
+def _split_checksums(metadata: dict) -> tuple[dict, Optional[dict]]:
+  """(metadata without the checksums, the checksums or None when it has none)."""
+  metadata = dict(metadata)
+  checksums = metadata.pop(_CHECKSUMS, None)
+  return metadata, checksums if isinstance(checksums, dict) else None
+
+
+def _verify(where, tree, checksums: Optional[dict], stored_tree) -> None:
+  """Raises CheckpointError naming the first restored array whose checksum differs.
+
+  Arrays restored in a dtype other than the stored one cannot be compared and are skipped;
+  checkpoints without checksums are reported once as unverified.
+  """
+  if checksums is None:
+    if str(where) not in _unverified_warned:
+      _unverified_warned.add(str(where))
+      logging.getLogger('dspec').warning(
+          '%s: no array checksums (saved by an older dspec); contents not verified', where)
+    return
+  stored = leaf_paths(stored_tree)
+  for name, leaf in leaf_paths(tree).items():
+    want = checksums.get(name)
+    if want is None or not _addressable(leaf):
+      continue
+    stored_dtype = getattr(stored.get(name), 'dtype', None)
+    if stored_dtype is not None and np.dtype(stored_dtype) != np.dtype(leaf.dtype):
+      continue
+    if array_sha256(leaf) != want:
+      raise CheckpointError(f'{where}: array {name!r} does not match its checksum: the '
+                            'checkpoint is corrupt')
 
 
 def _check_against(path, stored_tree, abstract_tree) -> None:
@@ -178,26 +253,72 @@ def _read_metadata(path: epath.Path) -> dict:
   return metadata
 
 
+def _check_output_path(raw) -> None:
+  """Refuses an empty path and the root, home or working directory (or an ancestor)."""
+  text = os.fspath(raw)
+  if not text.strip():
+    raise CheckpointError('empty checkpoint path')
+  if '://' in text:
+    return
+  path = os.path.realpath(text)
+  cwd = os.path.realpath(os.getcwd())
+  protected = {os.path.realpath(os.path.expanduser('~')), os.path.realpath(os.sep)}
+  if path in protected or cwd == path or cwd.startswith(path.rstrip(os.sep) + os.sep):
+    raise CheckpointError(f'{text}: refusing to write a checkpoint at the root, home or '
+                          'working directory (or one of its parents); name a new directory')
+
+
+def _check_replaceable(path: epath.Path) -> None:
+  """Raises CheckpointError unless `path` is a dspec checkpoint directory (and nothing more)."""
+  if '://' not in str(path) and os.path.islink(path):
+    raise CheckpointError(f'{path}: is a symlink; refusing to replace it')
+  if not path.is_dir():
+    raise CheckpointError(f'{path}: exists and is not a checkpoint directory; refusing to '
+                          'replace it')
+  names = {p.name for p in path.iterdir()}
+  if not {_STATE_ITEM, _METADATA_ITEM} <= names:
+    raise CheckpointError(f'{path}: exists and is not a dspec checkpoint directory (no '
+                          f'{_STATE_ITEM}/ and {_METADATA_ITEM}/ inside); refusing to replace it')
+  others = sorted(names - _CHECKPOINT_ENTRIES)
+  if others:
+    raise CheckpointError(f'{path}: holds {others[0]!r}, which is not part of a dspec '
+                          'checkpoint; refusing to replace the directory')
+
+
 def save_tree(path, tree, metadata: dict, *, force: bool = False) -> None:
   """Writes a pytree of arrays and a JSON-serialisable `metadata` dict to directory `path`.
 
-  The write is atomic (temporary directory, then rename). An existing `path` is replaced
-  only with `force=True` (it is deleted before the new one is written); otherwise
-  CheckpointError.
+  The write is atomic (temporary directory, then rename), and the metadata records each
+  array's checksum. An existing `path` is replaced only with `force=True`, and only when it
+  is a dspec checkpoint directory: the new checkpoint is written beside it and swapped in
+  once complete. Empty and root-like paths are refused.
   """
+  _check_output_path(path)
   path = _as_path(path)
   if _TMP_MARKER in path.name:
     raise CheckpointError(f'{path}: checkpoint names may not contain {_TMP_MARKER!r}')
-  if path.exists() and not force:
+  exists = path.exists() or ('://' not in str(path) and os.path.islink(path))
+  if exists and not force:
     raise CheckpointError(f'{path}: already exists (pass force=True to overwrite)')
+  if exists:
+    _check_replaceable(path)
   try:
+    metadata = dict(metadata, **{_CHECKSUMS: tree_checksums(tree)})
     json.dumps(metadata)
   except TypeError as e:
     raise CheckpointError(f'{path}: metadata is not JSON-serialisable ({e})') from e
-  _checkpointer().save(
-      path, force=force,
-      args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree),
-                                 _METADATA_ITEM: ocp.args.JsonSave(metadata)}))
+  args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree),
+                               _METADATA_ITEM: ocp.args.JsonSave(metadata)})
+  if not exists or jax.process_count() > 1:
+    _checkpointer().save(path, force=exists, args=args)
+    return
+  tag = f'{os.getpid()}-{time.time_ns()}'
+  fresh = path.parent / f'{path.name}.dspec-new-{tag}'
+  old = path.parent / f'{path.name}.dspec-old-{tag}'
+  _checkpointer().save(fresh, args=args)
+  path.rename(old)
+  fresh.rename(path)
+  old.rmtree()
 
 
 def load_tree(path, abstract_tree=None) -> tuple[Any, dict]:
@@ -208,7 +329,7 @@ def load_tree(path, abstract_tree=None) -> tuple[Any, dict]:
   mis-shaped leaf raises CheckpointError. Needs no devices or shardings of the writer.
   """
   path = _as_path(path)
-  metadata = _read_metadata(path)
+  metadata, checksums = _split_checksums(_read_metadata(path))
   checkpointer = _checkpointer()
   stored = _stored_tree(path, lambda: checkpointer.metadata(path))
   if abstract_tree is not None:
@@ -220,6 +341,7 @@ def load_tree(path, abstract_tree=None) -> tuple[Any, dict]:
     restored = checkpointer.restore(path, args=ocp.args.Composite(**{_STATE_ITEM: restore}))
   except Exception as e:
     raise _corrupt(path, e) from e
+  _verify(path, restored[_STATE_ITEM], checksums, stored)
   return restored[_STATE_ITEM], metadata
 
 
@@ -229,6 +351,7 @@ def save_model(path, model: nnx.Module, *, kind: str, config: dict,
   """Saves a module's `nnx.Param`s (floats cast to `storage_dtype`) with its config.
 
   `kind` names the model family ('target', 'mtp', 'dflash', ...) and is checked on load.
+  Weights that are not finite (NaN or Inf, also after the cast) raise CheckpointError.
   """
   if storage_dtype not in STORAGE_DTYPES:
     raise ValueError(f'storage_dtype must be one of {STORAGE_DTYPES}, got {storage_dtype!r}')
@@ -236,6 +359,10 @@ def save_model(path, model: nnx.Module, *, kind: str, config: dict,
   params = jax.tree.map(
       lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
       params)
+  for name, leaf in leaf_paths(params).items():
+    if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
+      raise CheckpointError(f'{_as_path(path)}: refusing to save a model with non-finite '
+                            f'weights (NaN or Inf in {name!r})')
   metadata = dict(kind=kind, config=config, storage_dtype=storage_dtype, extra=extra or {},
                   dspec_format_version=FORMAT_VERSION)
   save_tree(path, params, metadata, force=force)
@@ -270,7 +397,7 @@ def load_model_state(path, model: nnx.Module, kind: str) -> dict:
 def read_model_metadata(path, kind: str) -> dict:
   """Validated metadata of a `save_model` checkpoint of `kind` (reads no arrays)."""
   path = _as_path(path)
-  metadata = _read_metadata(path)
+  metadata, _ = _split_checksums(_read_metadata(path))
   _check_model_metadata(path, metadata, kind)
   return metadata
 
@@ -303,7 +430,7 @@ class TrainCheckpointer:
 
   A thin wrapper over `ocp.CheckpointManager`: saves are asynchronous (call `wait()` before
   reading them back or exiting), only the newest `max_to_keep` steps are kept, and
-  unfinished saves are never listed.
+  unfinished saves are never listed. Saves record array checksums, which `restore` checks.
   """
 
   def __init__(self, directory, *, max_to_keep: int = 3):
@@ -315,6 +442,7 @@ class TrainCheckpointer:
 
   def save(self, step: int, tree, metadata: dict) -> None:
     """Starts saving `tree` and `metadata` as `step` (returns before the write finishes)."""
+    metadata = dict(metadata, **{_CHECKSUMS: tree_checksums(tree)})
     self._manager.save(step, args=ocp.args.Composite(
         **{_STATE_ITEM: ocp.args.PyTreeSave(tree),
            _METADATA_ITEM: ocp.args.JsonSave(metadata)}))
@@ -331,7 +459,8 @@ class TrainCheckpointer:
     """Restores `(tree, metadata)` of `step` in the structure of `abstract_tree`.
 
     Leaves with a sharding (jax.Array, or ShapeDtypeStruct with `sharding`) are restored
-    with it; others come back as numpy arrays. Dtypes follow `abstract_tree`.
+    with it; others come back as numpy arrays. Dtypes follow `abstract_tree`. A damaged
+    step (unreadable, or an array that fails its checksum) raises CheckpointError.
     """
     where = self.directory / str(step)
     if step not in self._manager.all_steps():
@@ -346,7 +475,22 @@ class TrainCheckpointer:
           **{_STATE_ITEM: restore, _METADATA_ITEM: ocp.args.JsonRestore()}))
     except Exception as e:
       raise _corrupt(where, e) from e
-    return restored[_STATE_ITEM], restored[_METADATA_ITEM]
+    metadata, checksums = _split_checksums(restored[_METADATA_ITEM] or {})
+    _verify(where, restored[_STATE_ITEM], checksums, stored)
+    return restored[_STATE_ITEM], metadata
+
+  def quarantine(self, step: int) -> epath.Path:
+    """Renames a damaged step's directory to `corrupt_<step>[_n]` (kept, never listed again)
+    so that training can go on from an older step; returns the new path."""
+    self.wait()
+    target = self.directory / f'corrupt_{step}'
+    n = 1
+    while target.exists():
+      target = self.directory / f'corrupt_{step}_{n}'
+      n += 1
+    (self.directory / str(step)).rename(target)
+    self._manager.reload()
+    return target
 
   def wait(self) -> None:
     """Blocks until pending saves are on disk."""

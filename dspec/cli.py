@@ -12,7 +12,8 @@ class UserError(Exception):
   """An error caused by the command line, config or data the user gave."""
 
 
-_USER_ERRORS = (UserError, ValueError, OSError, KeyError)
+_USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
+_OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')
 
 
 def _user_error_types():
@@ -31,19 +32,43 @@ def _first_line(e: BaseException) -> str:
   return ' '.join(lines) or type(e).__name__
 
 
+def _out_of_memory(e: BaseException) -> bool:
+  """A device (XLA RESOURCE_EXHAUSTED) or host out-of-memory failure."""
+  return isinstance(e, MemoryError) or any(m in str(e) for m in _OOM_MARKERS)
+
+
+def _oom_message(e: BaseException) -> str:
+  detail = next((line.strip() for line in str(e).splitlines()
+                 if any(m in line for m in _OOM_MARKERS)), type(e).__name__)
+  if len(detail) > 200:
+    detail = detail[:197] + '...'
+  return (f'out of memory ({detail}); try a smaller batch_size or max_new_tokens '
+          '(training: a smaller training.batch_size or seq_len)')
+
+
 def _exit_with(message: str):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(1)
 
 
 def run(main):
-  """`absl.app.run(main)`, printing `error: <message>` instead of a traceback."""
+  """`absl.app.run(main)`, printing `error: <message>` instead of a traceback.
+
+  Mapped to one line and exit 1: bad flags or config files, UserError, ValueError, OSError,
+  KeyError, OverflowError, CheckpointError, and out-of-memory (XLA RESOURCE_EXHAUSTED or
+  MemoryError, with a hint to shrink the batch). Anything else is a bug and keeps its
+  traceback.
+  """
 
   def wrapped(argv):
     try:
       return main(argv)
     except _user_error_types() as e:
       _exit_with(_first_line(e))
+    except Exception as e:  # pylint: disable=broad-except
+      if _out_of_memory(e):
+        _exit_with(_oom_message(e))
+      raise
 
   def parse_flags(argv):
     for arg in argv[1:]:

@@ -26,21 +26,46 @@ _SINGLE_FILE = 'model.safetensors'
 _INDEX_FILE = 'model.safetensors.index.json'
 
 
+def _positive_int(hf_config: dict, key: str, default=None) -> int:
+  """`hf_config[key]` (or `default` when absent or null) checked to be a positive integer."""
+  value = hf_config.get(key)
+  if value is None:
+    if default is None:
+      raise ValueError(f'config.json lacks required key {key!r}')
+    value = default
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f'config.json: {key} must be a positive integer, got {value!r}')
+  return value
+
+
+def _positive_float(value, key: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+    raise ValueError(f'config.json: {key} must be a positive finite number, got {value!r}')
+  return float(value)
+
+
 def _rope_theta(hf_config: dict) -> float:
   """RoPE base from transformers 4 (`rope_theta`) or 5 (`rope_parameters`) config keys."""
   rope = hf_config.get('rope_parameters') or hf_config.get('rope_scaling') or {}
+  if not isinstance(rope, dict):
+    raise ValueError(f'config.json: rope_parameters/rope_scaling must be an object, got '
+                     f'{rope!r}')
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   if rope_type not in (None, 'default'):
     raise ValueError(f'RoPE scaling type {rope_type!r} is not supported (only default RoPE)')
-  return float(rope.get('rope_theta', hf_config.get('rope_theta', 10_000.0)))
+  theta = rope.get('rope_theta', hf_config.get('rope_theta'))
+  return _positive_float(10_000.0 if theta is None else theta, 'rope_theta')
 
 
 def config_from_hf(hf_config: dict, dtype: str = 'float32') -> TransformerConfig:
   """Maps a HF `config.json` dict (model_type llama or qwen3) to a TransformerConfig.
 
   `dtype` sets both the compute and the parameter dtype. Features dspec does not implement
-  (biases, sliding windows, non-SiLU MLPs, scaled RoPE) raise ValueError.
+  (biases, sliding windows, non-SiLU MLPs, scaled RoPE), missing keys and values of the
+  wrong type or sign raise ValueError naming the key.
   """
+  if not isinstance(hf_config, dict):
+    raise ValueError(f'config.json must hold a JSON object, got {type(hf_config).__name__}')
   model_type = hf_config.get('model_type')
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f'model_type {model_type!r} is not supported; supported: '
@@ -50,30 +75,34 @@ def config_from_hf(hf_config: dict, dtype: str = 'float32') -> TransformerConfig
                      'supported')
   if hf_config.get('use_sliding_window'):
     raise ValueError('sliding-window attention (use_sliding_window = true) is not supported')
-  if any(t != 'full_attention' for t in hf_config.get('layer_types') or ()):
+  layer_types = hf_config.get('layer_types') or ()
+  if not isinstance(layer_types, (list, tuple)):
+    raise ValueError(f'config.json: layer_types must be a list, got {layer_types!r}')
+  if any(t != 'full_attention' for t in layer_types):
     raise ValueError(f'layer_types {hf_config["layer_types"]} are not supported '
                      '(only full_attention)')
   act = hf_config.get('hidden_act', 'silu')
   if act != 'silu':
     raise ValueError(f'hidden_act {act!r} is not supported (only silu)')
-  try:
-    hidden, heads = hf_config['hidden_size'], hf_config['num_attention_heads']
-    return TransformerConfig(
-        vocab_size=hf_config['vocab_size'],
-        num_layers=hf_config['num_hidden_layers'],
-        embed_dim=hidden,
-        num_heads=heads,
-        num_kv_heads=hf_config.get('num_key_value_heads') or heads,
-        head_dim=hf_config.get('head_dim') or hidden // heads,
-        mlp_dim=hf_config['intermediate_size'],
-        rope_theta=_rope_theta(hf_config),
-        norm_eps=float(hf_config.get('rms_norm_eps', 1e-6)),
-        qk_norm=model_type == 'qwen3',
-        tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
-        dtype=dtype,
-        param_dtype=dtype)
-  except KeyError as e:
-    raise ValueError(f'config.json lacks required key {e.args[0]!r}') from None
+  hidden = _positive_int(hf_config, 'hidden_size')
+  heads = _positive_int(hf_config, 'num_attention_heads')
+  if hf_config.get('head_dim') is None and hidden % heads:
+    raise ValueError(f'config.json: hidden_size={hidden} is not a multiple of '
+                     f'num_attention_heads={heads} (and no head_dim is given)')
+  return TransformerConfig(
+      vocab_size=_positive_int(hf_config, 'vocab_size'),
+      num_layers=_positive_int(hf_config, 'num_hidden_layers'),
+      embed_dim=hidden,
+      num_heads=heads,
+      num_kv_heads=_positive_int(hf_config, 'num_key_value_heads', heads),
+      head_dim=_positive_int(hf_config, 'head_dim', hidden // heads),
+      mlp_dim=_positive_int(hf_config, 'intermediate_size'),
+      rope_theta=_rope_theta(hf_config),
+      norm_eps=_positive_float(hf_config.get('rms_norm_eps') or 1e-6, 'rms_norm_eps'),
+      qk_norm=model_type == 'qwen3',
+      tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
+      dtype=dtype,
+      param_dtype=dtype)
 
 
 def hf_tensor_name(dspec_name: str) -> tuple[str, bool]:
@@ -110,9 +139,10 @@ def _tensor_files(hf_dir: str) -> dict[str, str]:
     try:
       with open(index_path) as f:
         weight_map = json.load(f)['weight_map']
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError) as e:
       raise ValueError(f'{index_path}: not a safetensors index ({e!r})') from None
-    return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
   if os.path.exists(single_path):
     with _open_safetensors(single_path) as f:
       return {name: single_path for name in f.keys()}
@@ -129,9 +159,12 @@ def read_hf_config(hf_dir) -> dict:
     raise FileNotFoundError(f'{hf_dir}: no config.json')
   try:
     with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
+      config = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f'{path}: not valid JSON ({e})') from None
+  if not isinstance(config, dict):
+    raise ValueError(f'{path}: must hold a JSON object, got {type(config).__name__}')
+  return config
 
 
 def load_hf_model(hf_dir, dtype: str = 'float32') -> tuple[Transformer, TransformerConfig]:
@@ -162,7 +195,10 @@ def load_hf_model(hf_dir, dtype: str = 'float32') -> tuple[Transformer, Transfor
       file = files[hf_name]
       if file not in handles:
         handles[file] = stack.enter_context(_open_safetensors(file))
-      tensor = handles[file].get_tensor(hf_name)
+      try:
+        tensor = handles[file].get_tensor(hf_name)
+      except SafetensorError as e:
+        raise ValueError(f'{file}: cannot read tensor {hf_name!r} ({e})') from None
       expected = leaf.shape[::-1] if transpose else leaf.shape
       if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f'{hf_dir}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, '

@@ -7,6 +7,7 @@ above). `train_byte_level_bpe` trains the small byte-level BPE used by the demo 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -97,7 +98,10 @@ class HFTokenizer:
     file = path if path.endswith('.json') else os.path.join(path, 'tokenizer.json')
     if not os.path.isfile(file):
       raise FileNotFoundError(f'no tokenizer file at {file}')
-    self._tok = tokenizers.Tokenizer.from_file(file)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # `tokenizers` raises a bare Exception for any bad file.
+      raise ValueError(f'{file}: not a valid tokenizer.json ({_first_line(e)})') from None
     self.path = file
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     model_dir = os.path.dirname(file)
@@ -203,33 +207,61 @@ def _declared_special_ids(model_dir: str, name: str, token_to_id) -> list[int]:
   these declares one. Duplicates removed, first occurrence kept.
   """
   ids: list[int] = []
-  tokenizer_config = _read_json(os.path.join(model_dir, 'tokenizer_config.json'))
-  ids += _as_id_list(tokenizer_config.get(f'{name}_token_id'))
+  key = f'{name}_token_id'
+  config_path = os.path.join(model_dir, 'tokenizer_config.json')
+  tokenizer_config = _read_json(config_path)
+  ids += _as_id_list(tokenizer_config.get(key), f'{config_path}: {key}')
   token = tokenizer_config.get(f'{name}_token')
   if isinstance(token, dict):
     token = token.get('content')
   if isinstance(token, str) and token_to_id is not None:
-    ids += _as_id_list(token_to_id(token))
+    ids += _as_id_list(token_to_id(token), f'{config_path}: {name}_token')
   for file in ('config.json', 'generation_config.json'):
-    ids += _as_id_list(_read_json(os.path.join(model_dir, file)).get(f'{name}_token_id'))
+    path = os.path.join(model_dir, file)
+    ids += _as_id_list(_read_json(path).get(key), f'{path}: {key}')
   if not ids and token_to_id is not None:
     ids = [i for i in map(token_to_id, _COMMON_TOKEN_NAMES[name]) if i is not None][:1]
   return list(dict.fromkeys(ids))
 
 
-def _as_id_list(value) -> list[int]:
+def _as_id_list(value, where: str) -> list[int]:
   """An `*_token_id` field (None, int or list of ints) as a list of ints."""
-  if value is None:
-    return []
-  if isinstance(value, (list, tuple)):
-    return [int(v) for v in value if v is not None]
-  return [int(value)]
+  values = value if isinstance(value, (list, tuple)) else [value]
+  ids = []
+  for v in values:
+    if v is None:
+      continue
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise ValueError(f'{where} must be a non-negative integer id (or a list of them), '
+                       f'got {value!r}')
+    ids.append(v)
+  return ids
 
 
 def _read_json(path: str) -> dict:
   """The JSON object in `path`, or {} when the file does not exist."""
   if not os.path.isfile(path):
     return {}
-  with open(path) as f:
-    data = json.load(f)
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path}: not valid JSON ({_first_line(e)})') from None
   return data if isinstance(data, dict) else {}
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+  """SHA-256 identifying a tokenizer: its class, special ids and (HF) tokenizer.json bytes."""
+  digest = hashlib.sha256(json.dumps(
+      [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
+       tokenizer.mask_id, list(tokenizer.stop_ids)]).encode())
+  path = getattr(tokenizer, 'path', None)
+  if path:
+    with open(path, 'rb') as f:
+      digest.update(f.read())
+  return digest.hexdigest()
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return lines[0][:300] if lines else type(e).__name__

@@ -13,16 +13,18 @@ import os
 import shutil
 import sys
 
-from absl import app, flags, logging
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dspec.checkpoint import CheckpointError, save_model
-from dspec.hf_import import load_hf_model, read_hf_config
+from absl import flags, logging  # noqa: E402
+
+from dspec import cli  # noqa: E402
 
 _HF_DIR = flags.DEFINE_string('hf_dir', None, 'Hugging Face model directory.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Checkpoint directory to write.', required=True)
 _STORAGE_DTYPE = flags.DEFINE_enum('storage_dtype', 'float32', ['float32', 'bfloat16'],
                                    'Dtype the weights are stored in.')
-_FORCE = flags.DEFINE_boolean('force', False, 'Overwrite an existing --out directory.')
+_FORCE = flags.DEFINE_boolean('force', False, 'Replace an existing --out directory (only a '
+                              'dspec checkpoint directory is ever replaced).')
 
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json',
                    'special_tokens_map.json')
@@ -30,6 +32,8 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'generation_config
 
 def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
   """Loads `hf_dir`, saves it as a dspec target checkpoint at `out` with its tokenizer."""
+  from dspec.checkpoint import save_model  # heavy imports after flag parsing
+  from dspec.hf_import import load_hf_model, read_hf_config
   hf_config = read_hf_config(hf_dir)
   model, cfg = load_hf_model(hf_dir)
   save_model(out, model, kind='target', config=cfg.to_dict(), storage_dtype=storage_dtype,
@@ -48,12 +52,8 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  try:
-    convert(_HF_DIR.value, _OUT.value, _STORAGE_DTYPE.value, _FORCE.value)
-  except (ValueError, OSError, CheckpointError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(1)
+  convert(_HF_DIR.value, _OUT.value, _STORAGE_DTYPE.value, _FORCE.value)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

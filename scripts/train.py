@@ -33,4 +33,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
   cli.run(main)

@@ -9,11 +9,17 @@ deterministic.
 """
 
 import hashlib
+import os
+import sys
 
-from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dspec.tokenizer import train_byte_level_bpe
-from dspec.training.corpus import DEFAULT_HELDOUT_FRACTION, load_corpus, split_documents
+from absl import flags  # noqa: E402
+
+from dspec import cli  # noqa: E402
+from dspec.tokenizer import train_byte_level_bpe  # noqa: E402
+from dspec.datasets import (DEFAULT_HELDOUT_FRACTION, load_corpus,  # noqa: E402
+                                   split_documents)
 
 _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory to write the tokenizer files to.',
                                required=True)
@@ -27,12 +33,11 @@ _CORPORA = ('python_stdlib', 'gsm8k')
 
 def main(argv):
   del argv
-  try:
-    docs = [doc for name in _CORPORA
-            for doc in split_documents(load_corpus(name, _DATA_DIR.value),
-                                       DEFAULT_HELDOUT_FRACTION, 'train')]
-  except FileNotFoundError as e:
-    raise SystemExit(f'error: {e}') from None
+  if _MAX_CHARS.value < 1:
+    raise cli.UserError(f'--max_chars must be >= 1, got {_MAX_CHARS.value}')
+  docs = [doc for name in _CORPORA
+          for doc in split_documents(load_corpus(name, _DATA_DIR.value),
+                                     DEFAULT_HELDOUT_FRACTION, 'train')]
   docs.sort(key=lambda doc: hashlib.sha256(doc.id.encode('utf-8')).digest())
   texts, total_chars = [], 0
   for doc in docs:
@@ -40,12 +45,9 @@ def main(argv):
       break
     texts.append(doc.text)
     total_chars += len(doc.text)
-  try:
-    tokenizer = train_byte_level_bpe(texts, _VOCAB_SIZE.value, _OUT_DIR.value)
-  except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
+  tokenizer = train_byte_level_bpe(texts, _VOCAB_SIZE.value, _OUT_DIR.value)
   print(f'trained on {len(texts)} documents, {total_chars:,} chars -> {tokenizer}')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax.numpy as jnp
 
@@ -29,14 +30,15 @@ class TransformerConfig:
   param_dtype: str = 'float32'
 
   def __post_init__(self):
+    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
+                 'num_kv_heads', 'head_dim', 'mlp_dim'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f'{name} must be a positive integer, got {value!r}')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of '
           f'num_kv_heads={self.num_kv_heads}')
-    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
-                 'num_kv_heads', 'head_dim', 'mlp_dim'):
-      if getattr(self, name) <= 0:
-        raise ValueError(f'{name} must be positive, got {getattr(self, name)}')
 
   @property
   def compute_dtype(self):

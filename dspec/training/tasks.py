@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dspec import config_checks, files
 from dspec.training import trainer
 
 
@@ -13,9 +14,12 @@ def _builders():
 
 
 def run_training(cfg, workdir: str) -> dict:
+  """Checks the config, locks `workdir`, builds the task and trains (or resumes)."""
   builders = _builders()
   if cfg.training.task not in builders:
     raise ValueError(f'unknown training.task {cfg.training.task!r}; '
                      f'known: {sorted(builders)}')
-  task = builders[cfg.training.task](cfg, workdir)
-  return trainer.train(task, cfg.training, workdir)
+  config_checks.check_training_config(cfg.training)
+  with files.directory_lock(workdir, 'trainer'):
+    task = builders[cfg.training.task](cfg, workdir)
+    return trainer.train(task, cfg.training, workdir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -20,8 +21,13 @@ import optax
 from absl import logging
 from flax import nnx
 
-from dspec import checkpoint, sharding
+from dspec import checkpoint, config_checks, files, sharding
+from dspec.cli import UserError
 from dspec.training import optimizer as optimizer_lib
+
+
+class TrainingDiverged(ValueError):
+  """The loss or gradient became NaN or Inf; the run stopped without saving that state."""
 
 
 @dataclasses.dataclass
@@ -43,6 +49,57 @@ class TrainTask:
   export: Optional[Callable] = None
 
 
+def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, abstract):
+  """(step, tree) of the newest checkpoint that restores intact, or (None, None) if none.
+
+  Damaged newer steps (unreadable, or an array failing its checksum) are renamed to
+  `corrupt_<step>` once an older intact one is found, and a warning says so. When no step
+  restores, nothing is renamed and the newest step's error is raised.
+  """
+  damaged = []
+  for step in sorted(ckpt.all_steps(), reverse=True):
+    try:
+      tree, _ = ckpt.restore(step, abstract)
+    except checkpoint.CheckpointError as e:
+      damaged.append((step, e))
+      continue
+    for bad_step, err in damaged:
+      moved = ckpt.quarantine(bad_step)
+      print(f'warning: {err}; moved it to {moved} and resuming from the older intact '
+            f'checkpoint at step {step}', file=sys.stderr, flush=True)
+    return step, tree
+  if damaged:
+    step, err = damaged[0]
+    older = f' (and {len(damaged) - 1} older steps)' if len(damaged) > 1 else ''
+    raise checkpoint.CheckpointError(f'{err}{older}; no intact checkpoint to resume from: '
+                                     f'move {ckpt.directory} away to start over')
+  return None, None
+
+
+def _trim_log(log_path: str, step: int) -> None:
+  """Drops `train_log.jsonl` entries after `step` (and torn lines): a resumed run
+  re-logs those steps."""
+  if not os.path.exists(log_path):
+    return
+  keep, dropped = [], 0
+  with open(log_path) as f:
+    for line in f:
+      try:
+        entry = json.loads(line)
+        ok = line.endswith('\n') and (not isinstance(entry, dict)
+                                       or entry.get('step', 0) <= step)
+      except json.JSONDecodeError:
+        ok = False
+      if ok:
+        keep.append(line)
+      else:
+        dropped += 1
+  if dropped:
+    files.write_text_atomic(log_path, ''.join(keep))
+    print(f'{log_path}: dropped {dropped} entries after step {step} (they are re-run)',
+          flush=True)
+
+
 def train(task: TrainTask, cfg, workdir: str) -> dict:
   """Runs (or resumes) training; returns the last logged and eval metrics.
 
@@ -51,13 +108,24 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   mesh and sharding_rules: params, optimizer state and the frozen model are then sharded
   (fsdp + tensor, `dspec/sharding.py`) and batches split over the batch axes).
 
-  Resuming: the newest checkpoint under `workdir/checkpoints` restores everything (params,
-  optimizer moments, step). Without one, `continue_from_init=True` makes a warm restart
-  from the export at `init_from` (which the task loaded into the model): training continues
-  at the step recorded in it, the schedule where it was, with fresh optimizer moments.
+  Resuming: the newest intact checkpoint under `workdir/checkpoints` restores everything
+  (params, optimizer moments, step); a damaged newer one is set aside as `corrupt_<step>`
+  with a warning. Without one, `continue_from_init=True` makes a warm restart from the
+  export at `init_from` (which the task loaded into the model): training continues at the
+  step recorded in it, the schedule where it was, with fresh optimizer moments.
   `export_every` > 0 also exports the model to `workdir/export` every that many steps.
+  `train_log.jsonl` is trimmed to the resumed step. A resume with no steps left is refused
+  (`final/` is kept), except to write a missing `final/`.
+
+  One trainer per workdir (a lock refuses a second one). A NaN/Inf loss or gradient stops
+  the run with TrainingDiverged naming the step; that state is neither logged nor saved.
   """
-  os.makedirs(workdir, exist_ok=True)
+  config_checks.check_training_config(cfg)
+  with files.directory_lock(workdir, 'trainer'):
+    return _train(task, cfg, workdir)
+
+
+def _train(task: TrainTask, cfg, workdir: str) -> dict:
   optimizer = optimizer_lib.make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
   placement = sharding.placement_from_config(cfg, sharding.find_model_config(task.model))
@@ -70,10 +138,18 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
 
   ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, 'checkpoints'),
                                       max_to_keep=2)
+  try:
+    return _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, frozen,
+                       opt_state, placement)
+  finally:
+    ckpt.close()
+
+
+def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, frozen,
+                opt_state, placement) -> dict:
   start_step = 0
-  latest = ckpt.latest_step()
+  latest, restored = _restore_newest_intact(ckpt, {'params': params, 'opt_state': opt_state})
   if latest is not None:
-    restored, _ = ckpt.restore(latest, {'params': params, 'opt_state': opt_state})
     params, opt_state = restored['params'], restored['opt_state']
     if placement:
       params, opt_state = placement.put_params(params), placement.put_params(opt_state)
@@ -84,39 +160,63 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
     opt_state = optimizer_lib.set_step(opt_state, start_step)
     print(f'warm restart from {cfg.init_from} at step {start_step} (fresh optimizer moments)',
           flush=True)
+  final_path = os.path.join(workdir, 'final')
+  if start_step >= cfg.num_steps and (start_step > cfg.num_steps or task.export is None
+                                      or os.path.exists(final_path)):
+    raise UserError(f'{workdir} is already at step {start_step} and training.num_steps='
+                    f'{cfg.num_steps}: nothing to train (raise training.num_steps to go on; '
+                    'final/ is left as it is)')
+  log_path = os.path.join(workdir, 'train_log.jsonl')
+  _trim_log(log_path, start_step)
 
   def loss_of_params(p, frozen, batch, key):
     return task.loss_fn(nnx.merge(graphdef, p, rest), frozen, batch, key)
 
-  def train_step(p, opt_state, frozen, batch, key):
+  def train_step(p, opt_state, frozen, batch, key, done, first_bad):
     (loss, metrics), grads = jax.value_and_grad(loss_of_params, has_aux=True)(
         p, frozen, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, p)
     p = optax.apply_updates(p, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-    return p, opt_state, metrics
+    finite = jnp.isfinite(loss) & jnp.isfinite(metrics['grad_norm'])
+    first_bad = jnp.where((first_bad < 0) & ~finite, done, first_bad)
+    return p, opt_state, metrics, first_bad
 
   if placement:
     train_step = placement.jit(train_step, out_shardings=(
         placement.shardings(placement.param_specs(params)),
-        placement.shardings(placement.param_specs(opt_state)), None))
+        placement.shardings(placement.param_specs(opt_state)), None, None))
   else:
     train_step = jax.jit(train_step)
 
-  log_path = os.path.join(workdir, 'train_log.jsonl')
+  def check_finite(first_bad):
+    bad = int(first_bad)
+    if bad >= 0:
+      raise TrainingDiverged(
+          f'non-finite loss or gradient at step {bad} (training.learning_rate='
+          f'{cfg.learning_rate}); stopped without saving it, the last checkpoint is kept: '
+          'lower the learning rate or check the data')
+
   base_key = jax.random.key(cfg.seed)
   t_start = time.time()
   last, evals = {}, {}
-  step = start_step
+  first_bad = jnp.asarray(-1, jnp.int32)
+  done = start_step
   for step in range(start_step, cfg.num_steps):
     batch = jax.tree.map(jnp.asarray, task.get_batch(step))
     if placement:
       batch = placement.put_batch(batch)
-    params, opt_state, metrics = train_step(params, opt_state, frozen, batch,
-                                            jax.random.fold_in(base_key, step))
     done = step + 1
+    params, opt_state, metrics, first_bad = train_step(
+        params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
     out_of_time = cfg.max_minutes and (time.time() - t_start) > 60 * cfg.max_minutes
-    if done % cfg.log_every == 0 or done == cfg.num_steps or out_of_time:
+    export_now = (task.export is not None and cfg.get('export_every')
+                  and done % cfg.export_every == 0)
+    log_now = done % cfg.log_every == 0 or done == cfg.num_steps or out_of_time
+    ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or out_of_time
+    if log_now or ckpt_now or export_now:
+      check_finite(first_bad)
+    if log_now:
       last = {k: float(v) for k, v in metrics.items()}
       last.update(step=done, elapsed_s=round(time.time() - t_start, 1))
       if task.evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.num_steps
@@ -127,16 +227,19 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
       print(json.dumps(last), flush=True)
       with open(log_path, 'a') as f:
         f.write(json.dumps(last) + '\n')
-    if done % cfg.ckpt_every == 0 or done == cfg.num_steps or out_of_time:
+    if ckpt_now:
       ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
-    if task.export is not None and cfg.get('export_every') and done % cfg.export_every == 0:
+    if export_now:
       task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
     if out_of_time:
       logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
       break
+  check_finite(first_bad)
   ckpt.wait()
-  ckpt.close()
   model = nnx.merge(graphdef, params, rest)
   if task.export is not None:
-    task.export(model, os.path.join(workdir, 'final'), step + 1)
-  return {'last': last, 'eval': evals, 'steps': step + 1 - start_step}
+    if done == start_step:
+      print(f'no steps left to train: writing the missing {final_path} from step {done}',
+            flush=True)
+    task.export(model, final_path, done)
+  return {'last': last, 'eval': evals, 'steps': done - start_step}

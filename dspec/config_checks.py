@@ -1,0 +1,113 @@
+"""Range checks for config values, so bad numbers fail early with one line naming the field.
+
+Every check raises `cli.UserError` (a one-line `error:` at the command line). Integers
+must fit int32 (they end up in int32 device arrays or numpy seeds); floats must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from dspec.cli import UserError
+
+INT32_LIMIT = 2 ** 31
+
+
+def check_int(value, name: str, low: int = 0, high: int = INT32_LIMIT - 1) -> int:
+  """`value` as an int in [low, high] (bools and non-integral numbers are refused)."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, float) and value.is_integer():
+      value = int(value)
+    else:
+      raise UserError(f'{name} must be an integer, got {value!r}')
+  if not low <= value <= high:
+    raise UserError(f'{name} must be in [{low}, {high}], got {value}')
+  return value
+
+
+def check_float(value, name: str, low: float = -math.inf, high: float = math.inf, *,
+                low_open: bool = False, high_open: bool = False) -> float:
+  """`value` as a finite float in the range (open or closed at either end)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise UserError(f'{name} must be a number, got {value!r}')
+  value = float(value)
+  if not math.isfinite(value):
+    raise UserError(f'{name} must be a finite number, got {value}')
+  too_low = value <= low if low_open else value < low
+  too_high = value >= high if high_open else value > high
+  if too_low or too_high:
+    lo, hi = '(' if low_open else '[', ')' if high_open else ']'
+    raise UserError(f'{name} must be in {lo}{low:g}, {high:g}{hi}, got {value:g}')
+  return value
+
+
+def check_sampling(cfg, prefix: str = '') -> None:
+  """temperature >= 0, top_p in (0, 1], top_k >= 0 and seed in [0, 2**31), all finite."""
+  check_float(cfg.temperature, f'{prefix}temperature', 0.0)
+  check_float(cfg.top_p, f'{prefix}top_p', 0.0, 1.0, low_open=True)
+  check_int(cfg.top_k, f'{prefix}top_k')
+  check_int(cfg.seed, f'{prefix}seed')
+
+
+def check_decode_config(cfg) -> None:
+  """The top-level decode fields of DESIGN §8 (sampling knobs, lengths, batch, prompt)."""
+  check_sampling(cfg)
+  check_int(cfg.max_new_tokens, 'max_new_tokens', 1)
+  check_int(cfg.batch_size, 'batch_size', 1)
+  check_int(cfg.model.max_seq_len, 'model.max_seq_len', 2)
+  if cfg.get('timing_repeats') is not None:
+    check_int(cfg.timing_repeats, 'timing_repeats', 0)
+  if cfg.get('prompt_index') is not None:
+    check_int(cfg.prompt_index, 'prompt_index')
+
+
+def check_prompt_index(index, num_prompts: int, prompt_set: str) -> int:
+  """`index` as a valid position in a prompt set of `num_prompts` (no negative indexing)."""
+  index = check_int(index, 'prompt_index')
+  if index >= num_prompts:
+    raise UserError(f'prompt_index={index} is out of range: prompt set {prompt_set!r} has '
+                    f'{num_prompts} prompts (0..{num_prompts - 1})')
+  return index
+
+
+def check_prompts(prompts: Optional[Sequence], batch_size: int) -> None:
+  """Refuses more command-line prompts than batch rows (they would be dropped)."""
+  if prompts and len(prompts) > batch_size:
+    raise UserError(f'{len(prompts)} prompts given but batch_size={batch_size}; set '
+                    f'--config.batch_size={len(prompts)} (fewer prompts are repeated to '
+                    'fill the batch)')
+
+
+def check_training_config(tcfg) -> None:
+  """The `training` section: step counts, intervals, optimiser numbers, seeds."""
+  check_int(tcfg.num_steps, 'training.num_steps', 1)
+  for name in ('batch_size', 'seq_len'):
+    if tcfg.get(name) is not None:
+      check_int(tcfg[name], f'training.{name}', 1)
+  for name in ('log_every', 'eval_every', 'ckpt_every'):
+    check_int(tcfg[name], f'training.{name}', 1)
+  for name in ('export_every', 'eval_windows'):
+    if tcfg.get(name) is not None:
+      check_int(tcfg[name], f'training.{name}', 0)
+  check_int(tcfg.seed, 'training.seed')
+  check_float(tcfg.learning_rate, 'training.learning_rate', 0.0)
+  check_float(tcfg.warmup_ratio, 'training.warmup_ratio', 0.0, 1.0)
+  if tcfg.get('decay_ratio') is not None:
+    check_float(tcfg.decay_ratio, 'training.decay_ratio', 0.0, 1.0, low_open=True)
+  check_float(tcfg.weight_decay, 'training.weight_decay', 0.0)
+  check_float(tcfg.grad_clip, 'training.grad_clip', 0.0, low_open=True)
+  for name in ('b1', 'b2'):
+    check_float(tcfg[name], f'training.{name}', 0.0, 1.0, high_open=True)
+  check_float(tcfg.get('max_minutes') or 0.0, 'training.max_minutes', 0.0)
+
+
+def check_distill_config(cfg) -> None:
+  """The sampling knobs and the `distill` section of a distillation config."""
+  check_sampling(cfg)
+  dcfg = cfg.distill
+  for name in ('batch_size', 'max_new_tokens', 'shard_size', 'max_prompt_tokens'):
+    check_int(dcfg[name], f'distill.{name}', 1)
+  for name, limit in dcfg.prompt_sets.items():
+    if limit is not None:
+      check_int(limit, f'distill.prompt_sets.{name}')
