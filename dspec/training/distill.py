@@ -8,6 +8,9 @@ Output directory layout (what drafter training reads):
 A shard file appears only once fully written (write to a temp name, then rename), and the
 manifest lists a shard only after its file exists, so an interrupted run never leaves a
 shard that looks complete; rerunning the same command resumes at the first missing shard.
+The manifest also records a SHA-256 of the target's weights and of its tokenizer: a resume
+with another model (other weights at the same path, another seed) is refused. One process
+at a time may write a directory (a lock refuses a second).
 """
 
 from __future__ import annotations
@@ -15,18 +18,45 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import zipfile
 
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from dspec import checkpoint, config_checks
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.files import write_atomic, write_json_atomic
+from dspec.files import directory_lock, write_atomic, write_json_atomic
 from dspec.decoding.runner import build_target, generated_ids, validate_sampling
+from dspec.tokenizer import fingerprint as tokenizer_fingerprint
 from dspec.training import corpus
 
 _MANIFEST = 'manifest.json'
 _WIDTH_BUCKET = 64
+
+
+def _read_manifest(manifest_path: str) -> dict:
+  try:
+    with open(manifest_path) as f:
+      manifest = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{manifest_path}: not valid JSON ({e})') from None
+  if not isinstance(manifest, dict) or not isinstance(manifest.get('shards'), list):
+    raise ValueError(f'{manifest_path}: not a distilled-dataset manifest (no "shards" list)')
+  return manifest
+
+
+def _load_shard(path: str, name: str) -> dict:
+  """The arrays of one shard file, read fully (a damaged file raises ValueError)."""
+  file = os.path.join(path, name)
+  try:
+    with np.load(file) as data:
+      return {k: data[k] for k in ('tokens', 'loss_mask', 'lengths')}
+  except FileNotFoundError:
+    raise FileNotFoundError(f'{file}: shard listed in {_MANIFEST} is missing') from None
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+    raise ValueError(f'{file}: damaged shard ({e})') from None
 
 
 def load_distilled(path: str) -> dict:
@@ -35,11 +65,10 @@ def load_distilled(path: str) -> dict:
   if not os.path.exists(manifest_path):
     raise FileNotFoundError(f'no distilled dataset at {path} (missing {_MANIFEST}); '
                             'run scripts/distill.py first')
-  with open(manifest_path) as f:
-    manifest = json.load(f)
+  manifest = _read_manifest(manifest_path)
   if not manifest['shards']:
     raise ValueError(f'distilled dataset {path} has no shards yet')
-  parts = [np.load(os.path.join(path, name)) for name in manifest['shards']]
+  parts = [_load_shard(path, name) for name in manifest['shards']]
   width = max(p['tokens'].shape[1] for p in parts)
 
   def pad(a):
@@ -78,27 +107,59 @@ def _generate_batch(engine, params, rows, cfg, seed):
   return generated_ids(state)[:real]
 
 
+def _open_manifest(out_dir: str, fingerprint: str, models: dict, num_prompts: int,
+                   temperature: float) -> dict:
+  """The manifest to resume (checked against the settings and the model) or a new one."""
+  manifest_path = os.path.join(out_dir, _MANIFEST)
+  if not os.path.exists(manifest_path):
+    manifest = dict({'fingerprint': fingerprint, 'shards': [], 'complete': False,
+                     'num_prompts': num_prompts, 'temperature': temperature}, **models)
+    write_json_atomic(manifest_path, manifest)
+    return manifest
+  manifest = _read_manifest(manifest_path)
+  if manifest.get('fingerprint') != fingerprint:
+    raise ValueError(f'{out_dir} holds a distilled set made with other settings; '
+                     'use a new --out_dir')
+  for key, value in models.items():
+    recorded = manifest.get(key)
+    if recorded is None:
+      print(f'warning: {manifest_path} has no {key} (written by an older dspec); cannot '
+            'check that its shards came from this model; recording it now', file=sys.stderr)
+      manifest[key] = value
+    elif recorded != value:
+      what = 'target weights' if key == 'target_sha256' else 'tokenizer'
+      raise ValueError(f'{out_dir} was distilled with other {what} ({key} differs: '
+                       f'{recorded[:12]} vs {value[:12]}); use a new --out_dir')
+  write_json_atomic(manifest_path, manifest)
+  return manifest
+
+
 def distill(cfg, out_dir: str) -> dict:
   """Generates (or resumes generating) the distilled dataset; returns the manifest."""
   dcfg = cfg.distill
+  config_checks.check_distill_config(cfg)
   spec = validate_sampling(cfg)
+  if not out_dir:
+    raise ValueError('empty --out_dir')
   target, tokenizer, _ = build_target(cfg.model)
   prompts = _encode_prompts(cfg, tokenizer)
+  if not prompts:
+    raise ValueError('the config\'s distill.prompt_sets give no prompts')
   fingerprint = hashlib.sha256(json.dumps(
       [cfg.model.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed,
        dcfg.max_new_tokens, dcfg.shard_size, prompts], sort_keys=True).encode()).hexdigest()
-  os.makedirs(out_dir, exist_ok=True)
+  models = {'target_sha256': checkpoint.params_sha256(
+                nnx.to_pure_dict(nnx.state(target, nnx.Param))),
+            'tokenizer_sha256': tokenizer_fingerprint(tokenizer)}
+  with directory_lock(out_dir, 'distillation'):
+    manifest = _open_manifest(out_dir, fingerprint, models, len(prompts), cfg.temperature)
+    return _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec)
+
+
+def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) -> dict:
+  """Writes every shard the manifest does not list yet, then marks the set complete."""
+  dcfg = cfg.distill
   manifest_path = os.path.join(out_dir, _MANIFEST)
-  if os.path.exists(manifest_path):
-    with open(manifest_path) as f:
-      manifest = json.load(f)
-    if manifest['fingerprint'] != fingerprint:
-      raise ValueError(f'{out_dir} holds a distilled set made with other settings; '
-                       'use a new --out_dir')
-  else:
-    manifest = {'fingerprint': fingerprint, 'shards': [], 'complete': False,
-                'num_prompts': len(prompts), 'temperature': cfg.temperature}
-    write_json_atomic(manifest_path, manifest)
 
   graphdef, params = nnx.split(target)
   engine = SpeculativeEngine(graphdef, sampling=spec, stop_ids=tuple(tokenizer.stop_ids))
@@ -115,7 +176,7 @@ def distill(cfg, out_dir: str) -> dict:
     for b in range(0, len(order), dcfg.batch_size):
       idx = order[b:b + dcfg.batch_size]
       gen = _generate_batch(engine, params, [shard_prompts[i] for i in idx], cfg,
-                            seed=cfg.seed + s * 100_003 + b)
+                            seed=(cfg.seed + s * 100_003 + b) % 2 ** 31)
       for i, g in zip(idx, gen):
         outputs[i] = g
       bar.update(len(idx))
@@ -136,6 +197,6 @@ def distill(cfg, out_dir: str) -> dict:
   bar.close()
   manifest['complete'] = True
   manifest['num_tokens_written'] = int(sum(
-      np.load(os.path.join(out_dir, n))['loss_mask'].sum() for n in manifest['shards']))
+      _load_shard(out_dir, n)['loss_mask'].sum() for n in manifest['shards']))
   write_json_atomic(manifest_path, manifest)
   return manifest

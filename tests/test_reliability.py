@@ -1,0 +1,484 @@
+"""Issue 15: corrupted checkpoints are detected, user files are never deleted or clobbered,
+bad input gets one `error:` line, and NaN never passes silently.
+
+Sections follow the issue: data loss, silently wrong, tracebacks. The full red-team sweep
+(~170 CLI and API cases, minutes) is `python scripts/redteam.py`, not a test.
+"""
+
+import glob
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from configs import common
+from conftest import REPO_ROOT, TINY
+from dspec import checkpoint, cli, config_checks, files
+from dspec.checkpoint import CheckpointError
+from dspec.hf_import import config_from_hf, read_hf_config
+from dspec.models.transformer import Transformer
+from dspec.tokenizer import load_tokenizer
+from dspec.training import trainer
+
+
+def _run_script(script, *args, timeout=300):
+  proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, 'scripts', script), *args],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+  return proc.returncode, proc.stdout, proc.stderr
+
+
+def _one_error_line(rc, stderr, expected):
+  assert rc == 1, stderr[-2000:]
+  assert 'Traceback' not in stderr, stderr[-2000:]
+  errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and expected in errors[0], stderr[-2000:]
+
+
+@pytest.fixture(scope='module')
+def tiny_target():
+  return Transformer(TINY, rngs=nnx.Rngs(0))
+
+
+def _save_target(path, model, **kw):
+  checkpoint.save_model(path, model, kind='target', config=TINY.to_dict(), **kw)
+
+
+def _load_target(path):
+  abstract = nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(1)))
+  checkpoint.load_model_state(path, abstract, 'target')
+  return abstract
+
+
+def _flip_byte(path, fraction=0.5):
+  data = bytearray(open(path, 'rb').read())
+  data[int(len(data) * fraction)] ^= 0x10
+  with open(path, 'wb') as f:
+    f.write(bytes(data))
+
+
+def _largest_data_file(ckpt_dir):
+  found = [f for f in glob.glob(os.path.join(ckpt_dir, 'state', '**', 'd', '*'),
+                                recursive=True) if os.path.isfile(f)]
+  return max(found, key=os.path.getsize)
+
+
+# --------------------------------------------------------------------------- a toy trainer
+# A 32x32 linear regression: compiles in well under a second, and its arrays are big enough
+# to land in orbax data files (so byte flips hit array data).
+
+class _Toy(nnx.Module):
+
+  def __init__(self):
+    self.w = nnx.Param(jax.random.normal(jax.random.key(0), (32, 32)) * 0.1)
+
+
+def _toy_task(poison_step=None, exports=None):
+  """poison_step: the 1-based step whose loss is NaN."""
+
+  def loss_fn(model, frozen, batch, key):
+    del frozen, key
+    err = batch['x'] @ model.w[...] - batch['x']
+    return jnp.mean(err ** 2) * batch['scale'], {}
+
+  def get_batch(step):
+    x = np.random.default_rng(step).normal(size=(8, 32)).astype(np.float32)
+    return {'x': x, 'scale': np.float32(np.nan if step + 1 == poison_step else 1.0)}
+
+  def export(model, path, step):
+    checkpoint.save_model(path, model, kind='toy', config={}, extra={'train_step': step},
+                          force=True)
+    if exports is not None:
+      exports.append(step)
+
+  return trainer.TrainTask(model=_Toy(), frozen=None, loss_fn=loss_fn, get_batch=get_batch,
+                           export=export)
+
+
+def _toy_cfg(num_steps=4, **kw):
+  cfg = common.training_config('toy')
+  cfg.update(dict(dict(num_steps=num_steps, learning_rate=1e-2, warmup_ratio=0.0,
+                       log_every=1, eval_every=1000, ckpt_every=2), **kw))
+  return cfg
+
+
+def _logged_steps(workdir):
+  with open(os.path.join(workdir, 'train_log.jsonl')) as f:
+    return [json.loads(line)['step'] for line in f]
+
+
+def _steps(workdir):
+  return sorted(int(n) for n in os.listdir(os.path.join(workdir, 'checkpoints'))
+                if n.isdigit())
+
+
+# ================================================================================ data loss
+
+@pytest.mark.parametrize('where', ['', '.', '/', '~'])
+def test_force_refuses_empty_and_root_like_paths(where, tiny_target):
+  with pytest.raises(CheckpointError, match='empty|refusing'):
+    _save_target(os.path.expanduser(where) if where == '~' else where, tiny_target,
+                 force=True)
+
+
+def test_force_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, tiny_target):
+  mine = tmp_path / 'mine'
+  mine.mkdir()
+  (mine / 'thesis.tex').write_text('years of work')
+  with pytest.raises(CheckpointError, match='not a dspec checkpoint'):
+    _save_target(mine, tiny_target, force=True)
+  assert (mine / 'thesis.tex').read_text() == 'years of work'
+  # A checkpoint directory with a user's file inside is not replaced either.
+  ckpt = tmp_path / 'ckpt'
+  _save_target(ckpt, tiny_target)
+  (ckpt / 'notes.txt').write_text('keep me')
+  with pytest.raises(CheckpointError, match="'notes.txt'"):
+    _save_target(ckpt, tiny_target, force=True)
+  assert (ckpt / 'notes.txt').read_text() == 'keep me'
+  plain = tmp_path / 'file.bin'
+  plain.write_bytes(b'data')
+  with pytest.raises(CheckpointError, match='not a checkpoint directory'):
+    _save_target(plain, tiny_target, force=True)
+  assert plain.read_bytes() == b'data'
+
+
+def test_force_replaces_a_checkpoint_directory_only_once_the_new_one_is_complete(
+    tmp_path, tiny_target):
+  ckpt = tmp_path / 'ckpt'
+  _save_target(ckpt, tiny_target, extra={'v': 1})
+  (ckpt / 'tokenizer.json').write_text('{}')  # exports copy tokenizer files beside weights
+  _save_target(ckpt, tiny_target, extra={'v': 2}, force=True)
+  assert checkpoint.read_model_metadata(ckpt, 'target')['extra'] == {'v': 2}
+  assert sorted(os.listdir(tmp_path)) == ['ckpt']  # no leftovers beside it
+
+
+def test_convert_hf_force_with_an_empty_out_deletes_nothing(tmp_path, tiny_target):
+  from dspec.hf_export import export_to_hf
+  hf_dir = tmp_path / 'hf'
+  export_to_hf(tiny_target, hf_dir)
+  sentinel = tmp_path / 'work' / 'keep.txt'
+  sentinel.parent.mkdir()
+  sentinel.write_text('x')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'convert_hf.py'),
+       f'--hf_dir={hf_dir}', '--out=', '--force'],
+      cwd=sentinel.parent, capture_output=True, text=True, timeout=300)
+  _one_error_line(proc.returncode, proc.stderr, 'empty')
+  assert sentinel.read_text() == 'x'
+
+
+def test_output_symlink_is_written_through_not_replaced(tmp_path):
+  target = tmp_path / 'real.json'
+  target.write_text('old')
+  link = tmp_path / 'link.json'
+  link.symlink_to(target)
+  files.write_json_atomic(str(link), {'a': 1})
+  assert link.is_symlink() and json.loads(target.read_text()) == {'a': 1}
+
+
+def test_output_character_device_is_written_through_not_replaced(tmp_path):
+  node = tmp_path / 'null'
+  try:
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))   # like /dev/null
+  except PermissionError:
+    pytest.skip('mknod needs root')
+  files.write_json_atomic(str(node), {'a': 1})
+  assert stat.S_ISCHR(os.stat(node).st_mode)
+  assert sorted(os.listdir(tmp_path)) == ['null']
+
+
+def test_output_directory_is_refused_and_regular_files_keep_their_mode(tmp_path):
+  with pytest.raises(files.OutputPathError, match='directory'):
+    files.write_json_atomic(str(tmp_path), {'a': 1})
+  regular = tmp_path / 'm.json'
+  regular.write_text('{}')
+  os.chmod(regular, 0o600)
+  files.write_json_atomic(str(regular), {'a': 1})
+  assert stat.S_IMODE(os.stat(regular).st_mode) == 0o600
+  assert json.loads(regular.read_text()) == {'a': 1}
+
+
+# =========================================================================== silently wrong
+
+def test_corrupted_model_checkpoint_is_refused_naming_the_array(tmp_path, tiny_target):
+  path = tmp_path / 'ckpt'
+  _save_target(path, tiny_target)
+  _flip_byte(_largest_data_file(path))
+  with pytest.raises(CheckpointError, match=r"array '[\w.]+' does not match its checksum"):
+    _load_target(path)
+
+
+def test_checkpoint_without_checksums_still_loads_as_unverified(tmp_path, tiny_target,
+                                                                caplog):
+  """Exports written before checksums existed (no `array_sha256`) keep loading."""
+  path = tmp_path / 'old'
+  params = nnx.to_pure_dict(nnx.state(tiny_target, nnx.Param))
+  metadata = dict(kind='target', config=TINY.to_dict(), storage_dtype='float32',
+                  extra={'train_step': 7}, dspec_format_version=1)
+  checkpoint._checkpointer().save(path, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(params), metadata=ocp.args.JsonSave(metadata)))
+  loaded = _load_target(path)
+  np.testing.assert_array_equal(loaded.lm_head[...], tiny_target.lm_head[...])
+  assert 'not verified' in caplog.text
+  assert checkpoint.read_train_step(path) == 7
+
+
+def test_exporting_non_finite_weights_is_an_error(tmp_path):
+  model = _Toy()
+  model.w[...] = model.w[...].at[3, 4].set(jnp.nan)
+  with pytest.raises(CheckpointError, match="non-finite weights.*'w'"):
+    checkpoint.save_model(tmp_path / 'nan', model, kind='toy', config={})
+  assert not (tmp_path / 'nan').exists()
+
+
+def test_corrupted_training_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+  workdir = str(tmp_path / 'run')
+  trainer.train(_toy_task(), _toy_cfg(4), workdir)
+  assert _steps(workdir) == [2, 4]
+  _flip_byte(_largest_data_file(os.path.join(workdir, 'checkpoints', '4')))
+  exports = []
+  result = trainer.train(_toy_task(exports=exports), _toy_cfg(6), workdir)
+  err = capsys.readouterr().err
+  assert 'checkpoints/4' in err and 'resuming from the older intact checkpoint at step 2' in err
+  assert result['steps'] == 4 and exports == [6]
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', 'corrupt_4'))  # kept, not deleted
+  assert _steps(workdir) == [4, 6]
+  assert _logged_steps(workdir) == [1, 2, 3, 4, 5, 6]  # 3 and 4 re-run, logged once
+
+
+def test_no_intact_checkpoint_is_an_error_and_renames_nothing(tmp_path):
+  workdir = str(tmp_path / 'run')
+  trainer.train(_toy_task(), _toy_cfg(2), workdir)
+  _flip_byte(_largest_data_file(os.path.join(workdir, 'checkpoints', '2')))
+  with pytest.raises(CheckpointError, match='no intact checkpoint'):
+    trainer.train(_toy_task(), _toy_cfg(4), workdir)
+  assert _steps(workdir) == [2]
+
+
+def test_old_training_checkpoints_and_exports_without_checksums_resume(tmp_path):
+  """State written by the code before checksums (same layout, no `array_sha256`)."""
+  workdir = str(tmp_path / 'run')
+  task = _toy_task()
+  cfg = _toy_cfg(4)
+  from dspec.training import optimizer as optimizer_lib
+  params = nnx.state(task.model, nnx.Param)
+  opt_state = optimizer_lib.make_optimizer(cfg).init(params)
+  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
+                                  item_handlers=checkpoint._item_handlers())
+  manager.save(2, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave({'params': params, 'opt_state': opt_state}),
+      metadata=ocp.args.JsonSave({'step': 2})))
+  manager.wait_until_finished()
+  manager.close()
+  assert trainer.train(task, cfg, workdir)['steps'] == 2
+
+  export = str(tmp_path / 'export')   # warm restart from an old-style export at step 3
+  checkpoint._checkpointer().save(export, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(nnx.to_pure_dict(params)),
+      metadata=ocp.args.JsonSave({'kind': 'toy', 'extra': {'train_step': 3}})))
+  result = trainer.train(_toy_task(), _toy_cfg(5, init_from=export, continue_from_init=True),
+                         str(tmp_path / 'warm'))
+  assert result['steps'] == 2
+
+
+@pytest.mark.parametrize('log_every, poison, named', [(1, 3, 3), (10, 3, 3)])
+def test_non_finite_loss_stops_training_naming_the_step(tmp_path, log_every, poison, named):
+  workdir = str(tmp_path / 'run')
+  exports = []
+  with pytest.raises(trainer.TrainingDiverged, match=f'non-finite loss .* at step {named}'):
+    trainer.train(_toy_task(poison_step=poison, exports=exports),
+                  _toy_cfg(6, log_every=log_every), workdir)
+  assert _steps(workdir) == [2] and exports == []   # step 4 was not checkpointed
+  assert not os.path.exists(os.path.join(workdir, 'final'))
+  if log_every == 1:
+    assert _logged_steps(workdir) == [1, 2]
+
+
+@pytest.mark.parametrize('field, value', [
+    ('learning_rate', math.nan), ('learning_rate', math.inf), ('learning_rate', -1.0),
+    ('ckpt_every', 0), ('log_every', 0), ('eval_every', -5), ('num_steps', 0),
+    ('seed', 2 ** 31), ('b2', 1.0), ('grad_clip', math.nan), ('export_every', -1),
+])
+def test_bad_training_numbers_are_refused_naming_the_field(field, value):
+  cfg = _toy_cfg()
+  cfg[field] = value
+  with pytest.raises(cli.UserError, match=f'training.{field}'):
+    config_checks.check_training_config(cfg)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('temperature', math.nan, 'temperature must be a finite'),
+    ('temperature', -0.5, 'temperature'),
+    ('top_p', math.nan, 'top_p'),
+    ('top_p', 0.0, 'top_p'),
+    ('top_k', -1, 'top_k'),
+    ('seed', 2 ** 31, r'seed must be in \[0, 2147483647\]'),
+    ('max_new_tokens', 3_000_000_000, 'max_new_tokens'),
+    ('max_new_tokens', 0, 'max_new_tokens'),
+    ('batch_size', 0, 'batch_size'),
+    ('prompt_index', -1, 'prompt_index'),
+])
+def test_bad_sampling_knobs_and_sizes_are_refused(field, value, message):
+  cfg = common.decode_config('tiny')
+  config_checks.check_decode_config(cfg)
+  cfg[field] = value
+  with pytest.raises(cli.UserError, match=message):
+    config_checks.check_decode_config(cfg)
+
+
+def test_prompts_are_never_silently_mishandled():
+  with pytest.raises(cli.UserError, match='out of range.*has 3 prompts'):
+    config_checks.check_prompt_index(999999, 3, 'gsm8k_test')
+  with pytest.raises(cli.UserError, match=r'prompt_index must be in \[0'):
+    config_checks.check_prompt_index(-1, 3, 'gsm8k_test')
+  assert config_checks.check_prompt_index(2, 3, 'gsm8k_test') == 2
+  with pytest.raises(cli.UserError, match='3 prompts given but batch_size=2'):
+    config_checks.check_prompts(['a', 'b', 'c'], 2)
+  config_checks.check_prompts(['a'], 4)   # fewer prompts fill the batch (documented)
+
+
+def test_distillation_refuses_a_resume_with_another_target(tmp_path):
+  from configs import distill_demo
+  from dspec.training import distill
+  cfg = distill_demo.get_config('tiny')
+  cfg.data_dir = os.path.join(REPO_ROOT, 'data')
+  cfg.distill.prompt_sets = {'gsm8k_train': 4}
+  out = str(tmp_path / 'd')
+  manifest = distill.distill(cfg, out)
+  assert manifest['complete'] and len(manifest['target_sha256']) == 64
+  cfg.model.seed = 1   # same path and settings, other weights
+  with pytest.raises(ValueError, match='other target weights'):
+    distill.distill(cfg, out)
+  with open(os.path.join(out, 'manifest.json')) as f:
+    assert json.load(f)['shards'] == manifest['shards']
+
+
+def test_resume_trims_the_train_log_to_the_restored_step(tmp_path):
+  workdir = str(tmp_path / 'run')
+  trainer.train(_toy_task(), _toy_cfg(4), workdir)
+  with open(os.path.join(workdir, 'train_log.jsonl'), 'a') as f:   # killed after step 6
+    f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "loss": 1.0}\n{"step": 7, "lo')
+  trainer.train(_toy_task(), _toy_cfg(6), workdir)
+  assert _logged_steps(workdir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_with_nothing_to_train_is_refused_and_keeps_final(tmp_path):
+  workdir = str(tmp_path / 'run')
+  trainer.train(_toy_task(), _toy_cfg(4), workdir)
+  final_meta = os.path.join(workdir, 'final', 'metadata', 'metadata')
+  before = open(final_meta).read()
+  for steps in (4, 2):
+    with pytest.raises(cli.UserError, match='nothing to train'):
+      trainer.train(_toy_task(), _toy_cfg(steps), workdir)
+  assert open(final_meta).read() == before
+  # A run killed between its last checkpoint and the final export gets final/ written.
+  os.rename(os.path.join(workdir, 'final'), os.path.join(workdir, 'final_old'))
+  exports = []
+  assert trainer.train(_toy_task(exports=exports), _toy_cfg(4), workdir)['steps'] == 0
+  assert exports == [4]
+
+
+def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
+  workdir = str(tmp_path / 'run')
+  holder = subprocess.Popen(
+      [sys.executable, '-c', textwrap.dedent(f'''
+          import sys, time
+          sys.path.insert(0, {REPO_ROOT!r})
+          from dspec.files import directory_lock
+          with directory_lock({workdir!r}, 'trainer'):
+            print('locked', flush=True)
+            time.sleep(60)''')], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    with pytest.raises(files.LockedError, match=f'another trainer \\(pid {holder.pid}\\)'):
+      trainer.train(_toy_task(), _toy_cfg(2), workdir)
+    assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+  finally:
+    holder.kill()
+    holder.wait()
+  assert trainer.train(_toy_task(), _toy_cfg(2), workdir)['steps'] == 2  # lock died with it
+
+
+# =============================================================================== tracebacks
+
+def test_train_and_distill_without_config_are_one_error_line():
+  for script in ('train.py', 'distill.py'):
+    rc, _, stderr = _run_script(script, '--out_dir=/tmp/unused' if script == 'distill.py'
+                                else '--workdir=/tmp/unused')
+    _one_error_line(rc, stderr, 'config')
+
+
+def test_zero_every_is_one_error_line():
+  rc, _, stderr = _run_script('train.py', '--config=configs/demo_target_v2.py:quick',
+                              '--config.training.ckpt_every=0', '--workdir=/tmp/unused_run')
+  _one_error_line(rc, stderr, 'training.ckpt_every must be in [1,')
+
+
+@pytest.mark.parametrize('content, message', [
+    ('[]', 'must hold a JSON object'),
+    (None, "vocab_size must be a positive integer, got 'abc'"),
+    ({'num_attention_heads': 0}, 'num_attention_heads must be a positive integer, got 0'),
+    ({'num_key_value_heads': 0}, 'num_key_value_heads must be a positive integer, got 0'),
+    ({'rope_scaling': 'x'}, 'rope_parameters/rope_scaling must be an object'),
+])
+def test_bad_hf_config_json_is_a_clear_error(tmp_path, content, message):
+  config = {'model_type': 'llama', 'vocab_size': 32, 'hidden_size': 16,
+            'intermediate_size': 32, 'num_hidden_layers': 1, 'num_attention_heads': 2}
+  if content is None:
+    config['vocab_size'] = 'abc'
+  elif isinstance(content, dict):
+    config.update(content)
+  (tmp_path / 'config.json').write_text(content if isinstance(content, str)
+                                        else json.dumps(config))
+  with pytest.raises(ValueError, match=message):
+    config_from_hf(read_hf_config(tmp_path))
+
+
+def test_convert_hf_with_a_bad_config_is_one_error_line(tmp_path):
+  (tmp_path / 'config.json').write_text('[]')
+  rc, _, stderr = _run_script('convert_hf.py', f'--hf_dir={tmp_path}',
+                              f'--out={tmp_path / "out"}')
+  _one_error_line(rc, stderr, 'must hold a JSON object')
+  assert not (tmp_path / 'out').exists()
+
+
+def test_corrupt_tokenizer_files_are_named(tmp_path):
+  (tmp_path / 'tokenizer.json').write_text('{"version": "1.0", "model": {trunc')
+  with pytest.raises(ValueError, match='tokenizer.json: not a valid tokenizer.json'):
+    load_tokenizer(str(tmp_path), 300)
+  os.remove(tmp_path / 'tokenizer.json')
+  (tmp_path / 'config.json').write_text('{"eos_token_id": "abc"}')
+  with pytest.raises(ValueError, match='config.json: eos_token_id must be a non-negative'):
+    load_tokenizer(str(tmp_path), 300)
+  (tmp_path / 'tokenizer_config.json').write_text('{oops')
+  with pytest.raises(ValueError, match='tokenizer_config.json: not valid JSON'):
+    load_tokenizer(str(tmp_path), 300)
+
+
+@pytest.mark.parametrize('raised, expected', [
+    ("RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.3GiB')",
+     'out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.3GiB); '
+     'try a smaller batch_size or max_new_tokens'),
+    ("OverflowError('Python int too large to convert to C int')",
+     'Python int too large to convert to C int'),
+])
+def test_cli_wrapper_maps_oom_and_overflow_to_one_line(raised, expected):
+  code = textwrap.dedent(f'''
+      import sys
+      sys.path.insert(0, {REPO_ROOT!r})
+      from dspec import cli
+      def main(argv):
+        raise {raised}
+      cli.run(main)''')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=60)
+  _one_error_line(proc.returncode, proc.stderr, expected)
