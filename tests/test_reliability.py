@@ -371,14 +371,16 @@ def test_resume_trims_the_train_log_to_the_restored_step(tmp_path):
   assert _logged_steps(workdir) == [1, 2, 3, 4, 5, 6]
 
 
-def test_resume_with_nothing_to_train_is_refused_and_keeps_final(tmp_path):
+def test_resume_with_nothing_to_train_keeps_final(tmp_path, capsys):
   workdir = str(tmp_path / 'run')
   trainer.train(_toy_task(), _toy_cfg(4), workdir)
   final_meta = os.path.join(workdir, 'final', 'metadata', 'metadata')
   before = open(final_meta).read()
-  for steps in (4, 2):
-    with pytest.raises(cli.UserError, match='nothing to train'):
-      trainer.train(_toy_task(), _toy_cfg(steps), workdir)
+  exports = []   # rerunning a finished run is a no-op (sweeps and job scripts rerun)
+  assert trainer.train(_toy_task(exports=exports), _toy_cfg(4), workdir)['steps'] == 0
+  assert exports == [] and 'nothing to train' in capsys.readouterr().out
+  with pytest.raises(cli.UserError, match='past training.num_steps=2: nothing to train'):
+    trainer.train(_toy_task(), _toy_cfg(2), workdir)
   assert open(final_meta).read() == before
   # A run killed between its last checkpoint and the final export gets final/ written.
   os.rename(os.path.join(workdir, 'final'), os.path.join(workdir, 'final_old'))

@@ -114,8 +114,9 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   export at `init_from` (which the task loaded into the model): training continues at the
   step recorded in it, the schedule where it was, with fresh optimizer moments.
   `export_every` > 0 also exports the model to `workdir/export` every that many steps.
-  `train_log.jsonl` is trimmed to the resumed step. A resume with no steps left is refused
-  (`final/` is kept), except to write a missing `final/`.
+  `train_log.jsonl` is trimmed to the resumed step. A resume with no steps left never
+  rewrites `final/`: at `num_steps` it returns at once (or writes a missing `final/`), past
+  it it is refused.
 
   One trainer per workdir (a lock refuses a second one). A NaN/Inf loss or gradient stops
   the run with TrainingDiverged naming the step; that state is neither logged nor saved.
@@ -161,11 +162,14 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
     print(f'warm restart from {cfg.init_from} at step {start_step} (fresh optimizer moments)',
           flush=True)
   final_path = os.path.join(workdir, 'final')
-  if start_step >= cfg.num_steps and (start_step > cfg.num_steps or task.export is None
-                                      or os.path.exists(final_path)):
-    raise UserError(f'{workdir} is already at step {start_step} and training.num_steps='
+  if start_step > cfg.num_steps:
+    raise UserError(f'{workdir} is already at step {start_step}, past training.num_steps='
                     f'{cfg.num_steps}: nothing to train (raise training.num_steps to go on; '
                     'final/ is left as it is)')
+  if start_step == cfg.num_steps and (task.export is None or os.path.exists(final_path)):
+    print(f'nothing to train: {workdir} is already at training.num_steps={cfg.num_steps} '
+          '(final/ is left as it is)', flush=True)
+    return {'last': {}, 'eval': {}, 'steps': 0}
   log_path = os.path.join(workdir, 'train_log.jsonl')
   _trim_log(log_path, start_step)
 
