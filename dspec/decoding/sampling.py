@@ -5,9 +5,9 @@ speculative output distribution is exactly the one plain sampling would give.
 
 Top-p keeps the smallest prefix of the tokens sorted by probability whose mass reaches
 top_p, and every token tied with the last one kept. Equivalently, token j is kept iff the
-mass of the tokens strictly more probable than j is < top_p. No full-vocabulary sort: the
-cut is read from a partial top-k when the nucleus fits in it (or top-k is on), otherwise it
-is found by an exact bisection over the float bit patterns of the probabilities. Sums run
+mass of the tokens strictly more probable than j is < top_p. No full-vocabulary sort: with
+top-k on, the cut is read from the sorted top-k set; otherwise an exact search over the
+float bit patterns of the probabilities finds it (`top_p_threshold`). Sums run
 in another order than a sorted cumsum, so a token whose preceding mass equals top_p to
 within float rounding may fall on either side; everything else matches the sort.
 """
@@ -43,8 +43,11 @@ class SamplingSpec:
     return cls(greedy=temperature == 0, top_k=int(top_k), use_top_p=top_p < 1.0)
 
 
-# Top-p reads its cut from the `_HEAD` largest probabilities when the nucleus fits there.
-_HEAD = 32
+def _search_plan() -> tuple:
+  """(row by row, probes per pass) of the top-p search. CPU: one row at a time (it stays in
+  cache across passes), bisection. Accelerators: all rows at once, 255 probes (8 bits) per
+  pass, since a pass costs about one kernel launch whatever its width."""
+  return (True, 1) if jax.default_backend() == 'cpu' else (False, 255)
 
 
 def processed_probs(logits_NV, spec: SamplingSpec, temperature, top_p):
@@ -54,70 +57,68 @@ def processed_probs(logits_NV, spec: SamplingSpec, temperature, top_p):
   top_idx = None
   if spec.top_k and spec.top_k < vocab:
     top_vals, top_idx = jax.lax.top_k(logits, spec.top_k)
-    logits = jnp.where(logits >= top_vals[..., -1:], logits, -jnp.inf)
+    # min, not [..., -1]: XLA rewrites top-k + a one-element slice into a full sort.
+    logits = jnp.where(logits >= jnp.min(top_vals, axis=-1, keepdims=True), logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   if spec.use_top_p:
-    if top_idx is not None:   # the nucleus lies inside the top-k set (ties keep the rest)
-      threshold, _ = _prefix_cut(jnp.take_along_axis(probs, top_idx, axis=-1), top_p)
+    if top_idx is not None:   # the cut lies inside the sorted top-k set (ties keep the rest)
+      threshold = _prefix_threshold(jnp.take_along_axis(probs, top_idx, axis=-1), top_p)
     else:
-      threshold = _top_p_threshold(probs, top_p)
+      threshold = top_p_threshold(probs, top_p)
     probs = jnp.where(probs >= threshold, probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
   return probs
 
 
-def _prefix_cut(sorted_desc, top_p):
-  """(threshold, complete) from probabilities sorted in descending order.
-
-  threshold is the smallest probability of the prefix whose preceding mass is < top_p;
-  complete says the prefix ended inside `sorted_desc` (so the threshold is final).
-  """
+def _prefix_threshold(sorted_desc, top_p):
+  """Smallest probability of the prefix (of descending `sorted_desc`) whose preceding mass
+  is < top_p; exact when the cut falls inside it."""
   cum_before = jnp.cumsum(sorted_desc, axis=-1) - sorted_desc
-  kept = cum_before < top_p
-  threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-  return threshold, ~kept[..., -1:]
+  return jnp.min(jnp.where(cum_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
 
 
-def _top_p_threshold(probs, top_p):
-  """Smallest kept probability: from the top `_HEAD`, else from an exact search."""
+def top_p_threshold(probs, top_p):
+  """Exact top-p threshold [..., 1] of `probs` [..., V] (`_search_threshold`)."""
+  row_by_row, pivots = _search_plan()
+  top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), probs.shape[:-1] + (1,))
+  if not row_by_row:
+    return _search_threshold(probs, top_p, pivots)
   vocab = probs.shape[-1]
-  head = jax.lax.top_k(probs, min(_HEAD, vocab))[0]
-  threshold, complete = _prefix_cut(head, top_p)
-  if head.shape[-1] == vocab:
-    return threshold
-  return jax.lax.cond(
-      jnp.all(complete), lambda: threshold,
-      lambda: jnp.where(complete, threshold, _search_threshold(probs, top_p, head[..., -1:])))
+  rows = (probs.reshape(-1, 1, vocab), top_p.reshape(-1, 1, 1))
+  return jax.lax.map(lambda r: _search_threshold(*r, pivots), rows).reshape(top_p.shape)
 
 
-def _search_threshold(probs, top_p, hi):
-  """Exact top-p threshold by bisection on the int32 bit patterns of the probabilities.
+def _search_threshold(probs, top_p, pivots: int):
+  """Exact top-p threshold [..., 1] of `probs` [..., V] by a search on float bit patterns.
 
-  Non-negative floats order like their bit patterns. Invariant per row: the mass strictly
-  above `lo` is >= top_p and the mass strictly above `hi` is < top_p, so the threshold is
-  a probability in (lo, hi]. A row stops once (lo, hi] holds one distinct value (one token,
-  or adjacent bit patterns); the kept tokens are then exactly those > lo. `hi` must satisfy
-  the invariant (the `_HEAD`-th largest probability when the head is all kept).
+  Non-negative floats order like their int32 bit patterns. Invariant per row: the mass
+  strictly above `lo` is >= top_p and the mass strictly above `hi` is < top_p, so the
+  threshold is a probability in (lo, hi]. Each pass probes `pivots` evenly spaced bit
+  patterns inside (lo, hi) and keeps the sub-interval where the mass crosses top_p. A row
+  is done once (lo, hi] holds one distinct value (one token, or adjacent bit patterns);
+  the kept tokens are then exactly those > lo, i.e. >= the returned threshold.
   """
   vocab = probs.shape[-1]
-  bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+  shape = probs.shape[:-1] + (1,)
 
-  def above(b):
-    over = bits > b
-    return (jnp.sum(jnp.where(over, probs, 0.0), axis=-1, keepdims=True),
-            jnp.sum(over, axis=-1, keepdims=True, dtype=jnp.int32))
+  def above(pivots_b):
+    """Mass and count of tokens strictly above each bit pattern in [..., K] (the count
+    sums in fp32, exact below 2^24 tokens, and is faster than an int sum on CPU)."""
+    over = probs[..., None, :] > jax.lax.bitcast_convert_type(pivots_b, jnp.float32)[..., None]
+    return (jnp.sum(jnp.where(over, probs[..., None, :], 0.0), axis=-1),
+            jnp.sum(jnp.where(over, 1.0, 0.0), axis=-1).astype(jnp.int32))
 
-  # Tokens below (1 - top_p) / vocab hold at most 1 - top_p together: start lo there when
-  # the mass above it really reaches top_p (it may not, within rounding); else at -1
-  # (below every probability, count = vocab).
-  floor = jnp.broadcast_to((1.0 - jnp.asarray(top_p, jnp.float32)) / (2 * vocab), hi.shape)
+  # Tokens below (1 - top_p) / (2 vocab) hold under 1 - top_p together: start lo there
+  # when the mass above it does reach top_p (within rounding it may not), else at -1
+  # (below every probability; count = vocab). hi starts at 1.0 (mass above it: 0).
+  floor = (1.0 - top_p) / (2 * vocab)
   floor_b = jax.lax.bitcast_convert_type(floor, jnp.int32)
   floor_mass, floor_count = above(floor_b)
   use_floor = floor_mass >= top_p
   lo_b = jnp.where(use_floor, floor_b, -1)
   count_lo = jnp.where(use_floor, floor_count, vocab)
-  hi_b = jax.lax.bitcast_convert_type(hi, jnp.int32)
-  count_hi = above(hi_b)[1]
+  hi_b = jnp.full(shape, jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32))
+  count_hi = jnp.zeros(shape, jnp.int32)
 
   def open_rows(c):
     lo_b, hi_b, count_lo, count_hi = c
@@ -126,12 +127,16 @@ def _search_threshold(probs, top_p, hi):
   def step(c):
     lo_b, hi_b, count_lo, count_hi = c
     active = open_rows(c)
-    mid_b = lo_b + (hi_b - lo_b) // 2
-    mass, count = above(mid_b)
-    to_hi = active & (mass < top_p)
-    to_lo = active & ~(mass < top_p)
-    return (jnp.where(to_lo, mid_b, lo_b), jnp.where(to_hi, mid_b, hi_b),
-            jnp.where(to_lo, count, count_lo), jnp.where(to_hi, count, count_hi))
+    stride = jnp.maximum((hi_b - lo_b) // (pivots + 1), 1)
+    probe_b = jnp.minimum(lo_b + stride * jnp.arange(1, pivots + 1), hi_b - 1)   # [..., K]
+    mass, count = above(probe_b)
+    below = jnp.sum(mass >= top_p, axis=-1, keepdims=True)   # probes left of the cut
+    pick = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, pivots - 1), axis=-1)
+    new_lo, new_hi = active & (below > 0), active & (below < pivots)
+    return (jnp.where(new_lo, pick(probe_b, below - 1), lo_b),
+            jnp.where(new_hi, pick(probe_b, below), hi_b),
+            jnp.where(new_lo, pick(count, below - 1), count_lo),
+            jnp.where(new_hi, pick(count, below), count_hi))
 
   lo_b = jax.lax.while_loop(lambda c: jnp.any(open_rows(c)), step,
                             (lo_b, hi_b, count_lo, count_hi))[0]

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from unittest import mock
 
 from dspec.decoding import sampling
 from dspec.decoding.sampling import SamplingSpec, processed_probs
@@ -30,10 +31,11 @@ def _sorted_reference(logits, spec, temperature, top_p):
   return probs
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _both(logits, spec, temperature, top_p):
-  return (processed_probs(logits, spec, temperature, top_p),
-          _sorted_reference(logits, spec, temperature, top_p))
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _both(logits, spec, temperature, top_p, plan):
+  with mock.patch.object(sampling, '_search_plan', lambda: plan):
+    new = processed_probs(logits, spec, temperature, top_p)
+  return new, _sorted_reference(logits, spec, temperature, top_p)
 
 
 def _logits(seed, shape, kind):
@@ -64,10 +66,10 @@ def _mass_before(probs):
   return mass.reshape(probs.shape), count.reshape(probs.shape)
 
 
-def _check(logits, spec, temperature, top_p):
+def _check(logits, spec, temperature, top_p, plan=(True, 1)):
   """New == old == the exact (float64) cut, except tokens whose preceding mass is within
   float32 summation error of top_p, where the two summation orders may differ."""
-  new, ref = map(np.asarray, _both(logits, spec, temperature, top_p))
+  new, ref = map(np.asarray, _both(logits, spec, temperature, top_p, plan))
   plain = np.asarray(processed_probs(logits, dataclasses.replace(spec, use_top_p=False),
                                      temperature, top_p))
   before, count = _mass_before(plain)
@@ -81,14 +83,16 @@ def _check(logits, spec, temperature, top_p):
   np.testing.assert_allclose(new.sum(-1), 1.0, rtol=1e-5)
 
 
+# (row by row, probes per pass): the CPU plan, batched bisection, the accelerator plan.
+@pytest.mark.parametrize('plan', [(True, 1), (False, 1), (False, 4), (False, 255)])
 @pytest.mark.parametrize('kind', ['peaked', 'flat', 'ties', 'mixed', 'zipf'])
-def test_top_p_matches_sort(kind):
+def test_top_p_matches_sort(kind, plan):
   spec = SamplingSpec(greedy=False, top_k=0, use_top_p=True)
-  for seed in range(4):
+  for seed in range(3):
     logits = _logits(seed, (3, 5, 1024), kind)
     for top_p in (1e-6, 0.05, 0.5, 0.9, 0.95, 0.999, 0.999999):
       for temperature in (0.7, 1.0):
-        _check(logits, spec, temperature, top_p)
+        _check(logits, spec, temperature, top_p, plan)
 
 
 @pytest.mark.parametrize('top_k', [1, 5, 40, 1023])
@@ -118,4 +122,12 @@ def test_search_agrees_with_sort_on_full_vocab():
   for top_p in (0.5, 0.9, 0.95, 0.99):
     _check(logits, spec, 1.0, top_p)
   new = processed_probs(logits, spec, 1.0, 0.95)
-  assert int(jnp.max(jnp.sum(new > 0, -1))) > sampling._HEAD, 'the search path ran'
+  assert int(jnp.max(jnp.sum(new > 0, -1))) > 1000, 'a wide nucleus'
+
+
+@pytest.mark.parametrize('top_k,use_top_p', [(0, True), (50, False), (50, True)])
+def test_no_full_vocabulary_sort(top_k, use_top_p):
+  spec = SamplingSpec(greedy=False, top_k=top_k, use_top_p=use_top_p)
+  fn = jax.jit(lambda x: processed_probs(x, spec, 0.7, 0.9))
+  hlo = fn.lower(jnp.zeros((2, 3, 1024))).compile().as_text()
+  assert ' sort(' not in hlo
