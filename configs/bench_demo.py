@@ -10,9 +10,9 @@ Presets: quick (< 10 min on a 2-core CPU: 2 prompts per dataset, 64 new tokens, 
 one size per method, batch 1, one HF prompt), goals (the issue goals' setting: HumanEval
 and GSM8K test, 10 prompts each, 128 new tokens, greedy, batch 1, each method at its
 trained size, 4 HF prompts; ~15 min) or full (the default, a few hours: 10 prompts
-per dataset, 128 new tokens, T in {0, 1}, sizes {4, 8, 16}, batch {1, 4}, 4 HF prompts).
+per dataset, 128 new tokens, T in {0, 1}, sizes (num_draft) {4, 8, 16} (DFlash {3, 7, 15}: blocks 4, 8, 16), batch {1, 4}, 4 HF prompts).
 Prompts keep their last 256 (quick: 128) tokens, padded to that one width. Datasets:
-HumanEval, GSM8K test and Spec-Bench's six groups (../shared/data via --config.data_dir).
+HumanEval, GSM8K test and Spec-Bench's six groups (data/, or --config.data_dir).
 An empty drafters.<m>.path skips that method.
 Expected: results.json / results.md / plots; lossless_fraction 1.0 at T=0; the peer section
 compares dspec with transformers generate (AR, prompt lookup, assisted).
@@ -29,12 +29,13 @@ def get_config(arg=None):
   cfg.model.tokenizer_dir = 'demo/tokenizer'
   cfg.drafters.mtp.path = 'demo/mtp'
   cfg.drafters.dflash.path = 'demo/dflash'
-  cfg.drafters.dflash.block_size = 16
+  cfg.drafters.dflash.num_draft = 15
   cfg.max_new_tokens = 128
   cfg.timing_repeats = 3
   cfg.bench = common_bench.bench_section()
   b = cfg.bench
   b.num_prompts = 10
+  b.method_sizes = {'mtp': (3,), 'dflash': (3, 7, 15)}
   b.batch_sizes = (1, 4)
   b.max_prompt_tokens = 256    # the target was trained on 256-token windows
   b.prompt_bucket = 256        # one prompt width: every engine compiles once
@@ -45,7 +46,7 @@ def get_config(arg=None):
     b.num_prompts = 2
     b.temperatures = (0.0, 1.0)
     b.sizes = (8,)
-    b.method_sizes = {'mtp': (3,), 'dflash': (16,)}
+    b.method_sizes = {'mtp': (3,), 'dflash': (15,)}
     b.batch_sizes = (1,)
     b.max_prompt_tokens = b.prompt_bucket = 128
     b.hf.num_prompts = 1
@@ -55,5 +56,5 @@ def get_config(arg=None):
     b.temperatures = (0.0,)
     b.batch_sizes = (1,)
     b.sizes = (8,)
-    b.method_sizes = {'mtp': (3,), 'dflash': (16,)}
+    b.method_sizes = {'mtp': (3,), 'dflash': (15,)}
   return cfg

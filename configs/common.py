@@ -4,7 +4,12 @@ Config files define `get_config(arg=None)`; `arg` is the text after `:` in
 `--config=configs/x.py:arg`, e.g. `tiny`, `batch=4` or `tiny,batch=4` (big_vision style).
 """
 
+import copy
+
 import ml_collections
+
+from dspec import sharding
+from dspec.decoding.drafters import registry
 
 # Model shapes used by several configs. `tiny` runs in seconds on a laptop CPU.
 MODEL_PRESETS = {
@@ -20,22 +25,6 @@ MODEL_PRESETS = {
                  head_dim=64, mlp_dim=1024, rope_theta=10_000.0, qk_norm=True,
                  tie_embeddings=True),
 }
-
-# Logical axis -> mesh axes (data, fsdp, tensor; None = replicated), see dspec/sharding.py.
-# Params map to logical axes by path, decode state by shape-suffix name.
-SHARDING_RULES = (
-    ('batch', ('data', 'fsdp')),
-    ('vocab', 'tensor'),
-    ('embed', 'fsdp'),
-    ('heads', 'tensor'),
-    ('kv_heads', 'tensor'),   # replicated when the tensor axis does not divide kv heads
-    ('mlp', 'tensor'),
-    ('layers', None),
-    ('cache_len', None),
-    ('head_dim', None),
-    ('norm', None),
-)
-
 
 def parse_arg(arg, **spec):
   """Parses `a,b=3` into a ConfigDict over `spec` (defaults); bare words set True."""
@@ -73,18 +62,8 @@ def model_config(preset: str) -> ml_collections.ConfigDict:
 
 
 def drafter_configs() -> ml_collections.ConfigDict:
-  """Sub-configs of every drafter; `drafter` picks which one runs."""
-  return ml_collections.ConfigDict({
-      'ngram': {'draft_len': 8, 'min_n': 1, 'max_n': 4},
-      'suffix': {'max_draft': 16, 'max_depth': 32, 'min_token_prob': 0.1,
-                 'max_spec_factor': 1.0, 'max_spec_offset': 0.0,
-                 'max_cached_requests': 1000},
-      'oracle': {'draft_len': 8, 'acceptance': [0.8], 'source': 'ar'},
-      'self': {'draft_len': 4},
-      'mtp': {'path': '', 'num_depths': 0, 'sample_proposals': False},
-      'dflash': {'path': '', 'block_size': 16, 'denoise_steps': 1,
-                 'attention_impl': 'xla'},
-  })
+  """Sub-configs of every drafter (`registry.DEFAULTS`); `drafter` picks which one runs."""
+  return ml_collections.ConfigDict(copy.deepcopy(registry.DEFAULTS))
 
 
 def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
@@ -98,16 +77,16 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.seed = 0
   cfg.batch_size = 1
   cfg.drafter = 'none'        # none | ngram | suffix | oracle | self | mtp | dflash
-  cfg.verify = 'auto'         # auto (greedy at T=0, else rejection) | greedy | rejection
   cfg.compare_ar = False
   cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device
-  cfg.sharding_rules = SHARDING_RULES
+  cfg.sharding_rules = sharding.DEFAULT_RULES
   cfg.distributed = False     # True: jax.distributed.initialize() first (multi-host)
   cfg.prompt = 'def fibonacci(n):'
   cfg.prompt_set = ''         # e.g. humaneval | gsm8k_test: take the prompt from a dataset
   cfg.prompt_index = 0
   cfg.data_dir = 'data'       # GSM8K and Spec-Bench ship in the repo (data/README.md)
   cfg.timing_repeats = 3      # timed runs after warm-up; the median is reported
+  cfg.debug = False           # jax_transfer_guard='disallow': no implicit transfers
   cfg.drafters = drafter_configs()
   return cfg
 
@@ -142,5 +121,5 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'corpus_eval': False,     # mtp_posthoc: also evaluate on held-out corpus windows
       'mixture': {'python_stdlib': 0.6, 'gsm8k': 0.4},
       'mesh': '',               # e.g. 'fsdp=4,tensor=2'; '' = single device
-      'sharding_rules': SHARDING_RULES,
+      'sharding_rules': sharding.DEFAULT_RULES,
   })

@@ -4,7 +4,7 @@ A benchmark config is a decode config (DESIGN §8 fields, drafter sub-configs) p
 what to sweep and whether to time the `transformers` peer. The top-level decode fields
 (`max_new_tokens`, `top_p`, `seed`, `timing_repeats`, `data_dir`, `drafters.*`) apply to
 every run of the sweep; `temperature`, `batch_size`, `drafter` and each method's size knob
-are set by the sweep.
+(`num_draft`) are set by the sweep.
 """
 
 import ml_collections
@@ -21,13 +21,9 @@ def bench_section() -> ml_collections.ConfigDict:
       'num_prompts': 8,            # first N prompts of each dataset (fixed order)
       'methods': ('ngram', 'suffix', 'mtp', 'dflash'),   # AR always runs as the baseline
       'temperatures': (0.0, 1.0),
-      'sizes': (4, 8, 16),         # draft length / block size, set through `size_fields`
+      'sizes': (4, 8, 16),         # draft lengths: each sets drafters.<method>.num_draft
       # Per-method sizes replacing `sizes` (e.g. MTP is limited to its trained depth).
-      'method_sizes': ml_collections.ConfigDict({'mtp': (3,)}),
-      # The drafter sub-config field each size sets; methods not listed run once as configured.
-      'size_fields': ml_collections.ConfigDict({
-          'ngram': 'draft_len', 'suffix': 'max_draft', 'oracle': 'draft_len',
-          'self': 'draft_len', 'mtp': 'num_depths', 'dflash': 'block_size'}),
+      'method_sizes': ml_collections.ConfigDict({'mtp': (3,), 'dflash': (3, 7, 15)}),
       'batch_sizes': (1,),
       'max_prompt_tokens': 0,      # > 0: keep only the last N prompt tokens
       'prompt_bucket': 64,         # pad prompt widths to a multiple (fewer recompiles)

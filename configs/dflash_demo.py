@@ -9,7 +9,7 @@ Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_d
 Arguments: layers=N (draft layers, default 2), block=B (trained block, default 16),
 vocab=N (reduced draft head over the N most frequent target-written tokens; 0 = full),
 steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), bd3lm (BD3-LM objective), tiny (random tiny target,
-tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.block_size (<= the
+tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.num_draft (< the
 trained block; 0 = trained), .denoise_steps (1 = the reference single pass).
 Expected: training logs loss, acc1 and tau_est (greedy τ estimate on held-out blocks) and
 exports <workdir>/final; decoding prints lossless=True and τ. Cost on the 2-core dev CPU
@@ -31,7 +31,7 @@ def get_config(arg=None):
   cfg.drafter = 'dflash'
   cfg.max_new_tokens = 128
   cfg.drafters.dflash.path = 'runs/bd3lm_demo/final' if args.bd3lm else 'runs/dflash_demo/final'
-  cfg.drafters.dflash.block_size = args.block
+  cfg.drafters.dflash.num_draft = args.block - 1
 
   cfg.dflash = ml_collections.ConfigDict({
       'num_layers': args.layers,
@@ -69,7 +69,7 @@ def get_config(arg=None):
     cfg.model = common.model_config('tiny')
     cfg.max_new_tokens = 16
     cfg.timing_repeats = 1
-    cfg.drafters.dflash.block_size = 4
+    cfg.drafters.dflash.num_draft = 3
     cfg.dflash.update(num_layers=1, block_size=4, num_anchors=4)
     t.update(num_steps=4, batch_size=2, seq_len=32, log_every=2, eval_every=2,
              ckpt_every=4, eval_windows=4, learning_rate=3e-3)

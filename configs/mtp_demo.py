@@ -3,7 +3,7 @@
 Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/mtp_demo.py --workdir=runs/mtp_demo
   python scripts/decode.py --config=configs/mtp_demo.py --config.compare_ar=True
-  python scripts/decode.py --config=configs/mtp_demo.py --config.drafters.mtp.num_depths=1
+  python scripts/decode.py --config=configs/mtp_demo.py --config.drafters.mtp.num_draft=1
 Joint pretraining (a fresh demo-shaped target + MTP on the target corpora, λ 0.3 -> 0.1):
   python scripts/train.py --config=configs/mtp_demo.py:joint --workdir=runs/mtp_joint
   python scripts/decode.py --config=configs/mtp_demo.py:joint --config.compare_ar=True
@@ -11,7 +11,7 @@ Arguments: depths=D (1..4, default 3), beta (per-depth loss decay, default 0.6 p
 1.0 joint), steps, minutes (wall-clock cap), data=DIR (distilled data), joint, tiny (random tiny target and few steps:
 for tests; pass --config.data.path / --config.drafters.mtp.path). Architecture knobs
 (the ablation): --config.mtp.{kind,concat_order,h0_source,chain_hidden,
-zero_pos0_embedding,share_final_norm,shared_depth}. Decode: drafters.mtp.num_depths
+zero_pos0_embedding,share_final_norm,shared_depth}. Decode: drafters.mtp.num_draft
 (0 = all trained depths), drafters.mtp.sample_proposals (T > 0: sampled drafts with q).
 Expected: training logs loss_d{k} and agree_d{k} (top-1 agreement with the target, eval/
 on held-out data) and exports <workdir>/final (joint: final/target and final/mtp);

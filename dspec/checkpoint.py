@@ -34,8 +34,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from dspec.models.config import TransformerConfig
-from dspec.models.transformer import Transformer
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ('float32', 'bfloat16')
@@ -409,20 +407,6 @@ def read_train_step(path) -> int:
   if not isinstance(step, int) or step < 0:
     raise CheckpointError(f'{path}: bad extra.train_step {step!r} in metadata')
   return step
-
-
-def load_target(path) -> tuple[Transformer, dict]:
-  """Loads a `kind='target'` checkpoint into a new Transformer; returns (model, metadata)."""
-  path = _as_path(path)
-  metadata = _read_metadata(path)
-  _check_model_metadata(path, metadata, 'target')
-  try:
-    cfg = TransformerConfig.from_dict(metadata['config'])
-  except (KeyError, TypeError, ValueError) as e:
-    raise CheckpointError(f'{path}: bad target config in metadata ({_first_line(e)})') from e
-  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  load_model_state(path, model, 'target')
-  return model, metadata
 
 
 class TrainCheckpointer:

@@ -46,6 +46,12 @@ def _oom_message(e: BaseException) -> str:
           '(training: a smaller training.batch_size or seq_len)')
 
 
+def _renamed_config_field(path: str):
+  """The one-line message for a config field that was renamed or removed, or None."""
+  from dspec.decoding.drafters.registry import legacy_field_message
+  return legacy_field_message(path)
+
+
 def _exit_with(message: str):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(1)
@@ -74,6 +80,10 @@ def run(main):
     for arg in argv[1:]:
       if arg.startswith('--config=') and not os.path.isfile(arg[9:].split(':', 1)[0]):
         _exit_with(f'config file not found: {arg[9:].split(":", 1)[0]}')
+      if arg.startswith('--config.'):
+        renamed = _renamed_config_field(arg[len('--config.'):].split('=', 1)[0])
+        if renamed:
+          _exit_with(renamed)
     try:
       return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:   # ml_collections: `--config.<unknown>=...`

@@ -100,6 +100,16 @@ def check_training_config(tcfg) -> None:
   for name in ('b1', 'b2'):
     check_float(tcfg[name], f'training.{name}', 0.0, 1.0, high_open=True)
   check_float(tcfg.get('max_minutes') or 0.0, 'training.max_minutes', 0.0)
+  storage_dtype = tcfg.get('storage_dtype')
+  if storage_dtype is not None and storage_dtype not in ('float32', 'bfloat16'):
+    raise UserError(f"training.storage_dtype must be 'float32' or 'bfloat16', got "
+                    f'{storage_dtype!r}')
+  mixture = tcfg.get('mixture')
+  if mixture is not None:
+    for name, weight in mixture.items():
+      check_float(weight, f'training.mixture.{name}', 0.0)
+    if not mixture or sum(mixture.values()) <= 0:
+      raise UserError('training.mixture needs at least one corpus with a positive weight')
 
 
 def check_distill_config(cfg) -> None:

@@ -9,19 +9,23 @@ import numpy as np
 def acceptance_metrics(stats, rows=None) -> dict:
   """τ, acceptance rate, per-position acceptance and the τ histogram.
 
-  τ: tokens committed per verify step, bonus included (a step that proposed nothing counts
-  1); the mean over rows (prompts) of per-row means. Per-position acceptance at draft
-  position k (1-based): unconditional P(n >= k), conditional P(n >= k | n >= k-1), over
-  all steps of all rows.
+  tau: token-weighted, as the serving engines and SpecForge report it: tokens committed by
+  verify steps / verify steps, over every row (the cut at a stop token or at the budget
+  applied; the prefill's first token is no verify step's). tau_per_prompt_mean: the mean
+  over rows of each row's τ. Per-position acceptance at draft position k (1-based):
+  unconditional P(n >= k), conditional P(n >= k | n >= k-1), over all steps of all rows,
+  with n the drafts a step committed. acceptance_lengths: row 0's committed tokens per
+  verify step (when the stats carry them).
   """
   hist = np.asarray(stats.accept_hist_BG1, np.int64)
   steps = np.asarray(stats.steps_B, np.int64)
+  committed = np.asarray(stats.committed_B, np.int64)
   proposed = np.asarray(stats.proposed_B, np.int64)
   accepted = np.asarray(stats.accepted_B, np.int64)
   if rows is not None:
-    hist, steps, proposed, accepted = hist[rows], steps[rows], proposed[rows], accepted[rows]
+    hist, steps, committed = hist[rows], steps[rows], committed[rows]
+    proposed, accepted = proposed[rows], accepted[rows]
   live = steps > 0
-  per_row_tau = (accepted[live] + steps[live]) / steps[live]
   total_hist = hist.sum(axis=0)
   total_steps = max(int(total_hist.sum()), 1)
   at_least = total_hist[::-1].cumsum()[::-1]          # at_least[k] = #steps with n >= k
@@ -29,14 +33,20 @@ def acceptance_metrics(stats, rows=None) -> dict:
   uncond = [float(at_least[k] / total_steps) for k in range(1, gamma + 1)]
   cond = [float(at_least[k] / at_least[k - 1]) if at_least[k - 1] else 0.0
           for k in range(1, gamma + 1)]
-  return {
-      'tau': float(per_row_tau.mean()) if live.any() else 1.0,
+  out = {
+      'tau': float(committed.sum() / steps.sum()) if steps.sum() else 1.0,
+      'tau_per_prompt_mean': float(np.mean(committed[live] / steps[live]))
+                             if live.any() else 1.0,
       'acceptance_rate': float(accepted.sum() / proposed.sum()) if proposed.sum() else 0.0,
       'per_position_acceptance': uncond,
       'per_position_acceptance_conditional': cond,
       'tau_histogram': [int(c) for c in total_hist],   # index n: steps committing n + 1
       'verify_steps': int(steps.sum()),
   }
+  row0 = getattr(stats, 'row0_committed_S', None)
+  if row0 is not None and rows is None:
+    out['acceptance_lengths'] = [int(c) for c in np.asarray(row0)[:int(steps[0])]]
+  return out
 
 
 def distinct_ngram_ratio(sequences, n: int = 4) -> float:

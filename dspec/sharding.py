@@ -34,8 +34,8 @@ from dspec.models.config import TransformerConfig
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
-# Logical axis -> mesh axis (or axes, or None = replicated). `configs/common.py` carries
-# the same table as `sharding_rules`; a config may override it.
+# Logical axis -> mesh axis (or axes, or None = replicated): the default of every config's
+# `sharding_rules` (`configs/common.py`), which a config may override.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),
     ('vocab', 'tensor'),

@@ -49,7 +49,7 @@ _COSTS = flags.DEFINE_string('cost_table', None, 'Step-cost JSON to load (if it 
 
 
 def _prompts(cfg, tokenizer, n: int) -> list:
-  from dspec.training.corpus import load_prompts
+  from dspec.datasets import load_prompts
   texts = load_prompts(_PROMPT_SET.value, cfg.data_dir)
   ids = [tokenizer.encode(t)[-_MAX_PROMPT.value:] for t in texts if t]
   return [ids[i % len(ids)] for i in range(n)]
@@ -101,26 +101,27 @@ def main(argv):
   import jax
   import numpy as np
   from flax import nnx
-  from dspec import files
+  from dspec import files, loading
   from dspec.decoding import runner
+  from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
   from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
   from dspec.decoding.drafters.ngram import NgramDrafter
   from dspec.decoding.drafters.oracle import OracleDrafter
   from dspec.decoding.engine import SpeculativeEngine
 
   cfg = _CONFIG.value
-  spec = runner.validate_sampling(cfg)
+  settings = runner.Settings.from_config(cfg)
+  spec = settings.sampling()
   if not spec.greedy:
     raise cli.UserError('bench_concurrency compares greedy outputs: use temperature=0')
-  target, tokenizer, max_seq_len = runner.build_target(cfg.model)
+  target, tokenizer, max_seq_len = loading.build_target(cfg.model)
   graphdef, params = nnx.split(target)
   stop_ids = tuple(tokenizer.stop_ids)
   ngram = cfg.drafters.ngram
 
   def drafter(g: int):
     if _DRAFTER.value == 'oracle':
-      return OracleDrafter(num_draft=g, acceptance=(_ORACLE_ACC.value,),
-                           vocab_size=target.cfg.vocab_size)
+      return OracleDrafter(num_draft=g, acceptance=(_ORACLE_ACC.value,))
     return NgramDrafter(num_draft=g, min_n=ngram.min_n, max_n=ngram.max_n)
 
   tiers = tuple(int(g) for g in _TIERS.value)
@@ -137,28 +138,26 @@ def main(argv):
 
   rows = []
   for b in [int(c) for c in _CONC.value]:
-    prompt_BP, lens_B = runner.encode_prompts(
-        _prompts(cfg, tokenizer, b), tokenizer, target.cfg.vocab_size, b, max_seq_len,
-        cfg.max_new_tokens)
+    prompt_BP, lens_B = pad_prompts(encode_prompts(
+        _prompts(cfg, tokenizer, b), tokenizer, target.cfg.vocab_size, max_seq_len,
+        cfg.max_new_tokens))
     # Warm-up (compile; the controller profiles), then timed rounds with the methods
     # interleaved so that load drift on a shared machine hits them alike.
-    states, times, reference = {}, {}, None
+    states, times = {}, {}
     for r in range(cfg.timing_repeats + 1):
       for name, engine in methods.items():
-        dparams = reference if _DRAFTER.value == 'oracle' else None
-        state, _, decode_s = runner.run_generation(engine, params, dparams, prompt_BP,
-                                                   lens_B, cfg)
+        state, _, decode_s = runner.run_generation(engine, params, None, prompt_BP,
+                                                   lens_B, settings)
         states[name] = state
-        reference = state.tokens_BL if name == 'ar' else reference
         if r:
           times.setdefault(name, []).append(decode_s)
-    ar_ids = runner.generated_ids(states['ar'])
+    ar_ids = generated_ids(states['ar'])
     for name in methods:
       new_tokens = int(np.sum(np.asarray(states[name].num_tokens_B) - lens_B))
       decode_s = statistics.median(times[name])
       row = {'method': name, 'concurrency': b, 'tokens_per_s': new_tokens / decode_s,
              'decode_s': decode_s, 'new_tokens': new_tokens,
-             'lossless': runner.generated_ids(states[name]) == ar_ids}
+             'lossless': generated_ids(states[name]) == ar_ids}
       if name == 'controller':
         row['tier_usage'] = {str(g): round(f, 3) for g, f in controller.tier_usage().items()}
         row['step_costs_ms'] = {str(g): round(1e3 * controller.costs[b, g], 3)

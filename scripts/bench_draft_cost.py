@@ -32,28 +32,32 @@ _RANDOM_VOCAB = flags.DEFINE_integer('random_dflash_vocab', 0,
 def _random_dflash(cfg, target):
   from flax import nnx
 
-  from dspec.decoding.drafters.dflash import DFlashDraftDrafter
-  from dspec.models.dflash import DFlashConfig, DFlashDrafter
+  from dspec.decoding.drafters import dflash
+  from dspec.models import dflash as dflash_model
   vocab = range(_RANDOM_VOCAB.value) if _RANDOM_VOCAB.value else ()
-  dcfg = DFlashConfig.create(target.cfg.num_layers, num_layers=_RANDOM_LAYERS.value,
-                             block_size=cfg.drafters.dflash.block_size or 16,
-                             mask_token_id=1, draft_vocab=vocab)
-  return DFlashDraftDrafter.create(DFlashDrafter(dcfg, target.cfg, rngs=nnx.Rngs(0)))
+  dcfg = dflash_model.DFlashConfig.create(
+      target.cfg.num_layers, num_layers=_RANDOM_LAYERS.value,
+      block_size=(cfg.drafters.dflash.num_draft or 15) + 1, mask_token_id=1,
+      draft_vocab=vocab)
+  return dflash.DFlashDrafter.create(dflash_model.DFlashDrafter(dcfg, target.cfg,
+                                                                rngs=nnx.Rngs(0)))
 
 
 def main(argv):
   del argv
   from flax import nnx
 
+  from dspec import loading
   from dspec.bench.draft_cost import draft_vs_verify
   from dspec.decoding import runner
   from dspec.decoding.drafters import registry
+  from dspec.decoding.prompts import encode_prompts, pad_prompts
   from dspec.decoding.engine import SpeculativeEngine
   cfg = _CONFIG.value
-  target, tokenizer, max_seq_len = runner.build_target(cfg.model)
-  prompt_BP, prompt_len_B = runner.encode_prompts(
-      [runner.configured_prompt(cfg)], tokenizer, target.cfg.vocab_size, cfg.batch_size,
-      max_seq_len, cfg.max_new_tokens)
+  target, tokenizer, max_seq_len = loading.build_target(cfg.model)
+  prompt_BP, prompt_len_B = pad_prompts(
+      encode_prompts(runner.configured_prompts(cfg), tokenizer, target.cfg.vocab_size,
+                     max_seq_len, cfg.max_new_tokens), cfg.batch_size)
   if _RANDOM_LAYERS.value:
     drafter, dparams = _random_dflash(cfg, target)
     method = f'dflash (untrained, {_RANDOM_LAYERS.value} layers, vocab ' \

@@ -64,7 +64,7 @@ def main(argv):
   cfg = common.decode_config(_PRESET.value if not _CHECKPOINT.value else 'tiny')
   if _CHECKPOINT.value:
     cfg.model.source, cfg.model.path = 'checkpoint', _CHECKPOINT.value
-  from dspec.decoding.runner import build_target
+  from dspec.loading import build_target
   target, tokenizer, _ = build_target(cfg.model)
   graphdef, params = nnx.split(target)
   if tokenizer.vocab_size >= 1000:
@@ -110,20 +110,18 @@ def main(argv):
 
   overhead = []
   for profile in ([1.0], [0.9], [0.8, 0.5], [0.5]):
-    drafter = OracleDrafter(num_draft=g, acceptance=tuple(profile),
-                            vocab_size=target.cfg.vocab_size)
+    drafter = OracleDrafter(num_draft=g, acceptance=tuple(profile))
     engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
     ref = ar_state.tokens_BL
-    state, t_spec_total = run(engine, ref)
+    state, t_spec_total = run(engine)
     assert np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
                           np.asarray(ref)[0, :lens[0] + new]), 'oracle run not lossless'
     tau = acceptance_metrics(state.stats)['tau']
     ctx_key = jax.random.key(0)
-    from dspec.decoding.state import DraftContext
-    propose = jax.jit(lambda r, t, nt: drafter.propose(r, (), None, DraftContext(t, nt),
-                                                       ctx_key).tokens_BG)
-    t_draft = median_time(lambda: propose(ref, state.tokens_BL, state.num_tokens_B),
-                          _REPEATS.value * 3, warmup=2)
+    propose = jax.jit(lambda p, st: drafter.propose(
+        None, st.drafter_state, nnx.merge(graphdef, p), engine.context(st),
+        ctx_key).tokens_BG)
+    t_draft = median_time(lambda: propose(params, state), _REPEATS.value * 3, warmup=2)
     measured = (t_ar_total - t_prefill) / (t_spec_total - t_prefill)
     modelled = tau * t_ar / (t_verify + t_draft)
     overhead.append({'profile': profile, 'tau': tau, 'draft_ms': t_draft * 1e3,
@@ -132,11 +130,11 @@ def main(argv):
   result['oracle_overhead'] = overhead
 
   drafters = {'ngram': (NgramDrafter(num_draft=g, min_n=1, max_n=4), None),
-              'suffix': (SuffixDrafter(max_draft=16, use_global_cache=False), 'host')}
+              'suffix': (SuffixDrafter(num_draft=16, use_global_cache=False), 'host')}
   result['training_free'] = {}
   for name, (drafter, mode) in drafters.items():
     engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
-    state, t_total = run(engine, None, drafter.host_drafter_factory if mode else None)
+    state, t_total = run(engine, None, drafter.host_drafter_factory() if mode else None)
     lossless = np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
                               np.asarray(ar_state.tokens_BL)[0, :lens[0] + new])
     m = acceptance_metrics(state.stats)

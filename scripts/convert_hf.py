@@ -4,7 +4,7 @@
       [--storage_dtype=bfloat16] [--force]
 
 Reads config.json + safetensors (single or sharded), writes an orbax checkpoint with
-`kind='target'` (load it with `dspec.checkpoint.load_target`), and copies the tokenizer files
+`kind='target'` (load it with `dspec.load_target`), and copies the tokenizer files
 (tokenizer.json, tokenizer_config.json, generation_config.json, special_tokens_map.json)
 when the source has them. Bad input prints one `error: ...` line and exits with status 1.
 """

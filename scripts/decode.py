@@ -1,9 +1,12 @@
 """Decode with a target and a drafter: python scripts/decode.py --config=configs/<x>.py.
 
-Prints the generated text and one metrics line; `--metrics_json=PATH` writes every
-DESIGN §8 key (method, temperature, new_tokens, tau, acceptance_rate,
-per_position_acceptance, tokens_per_s, ar_tokens_per_s, speedup, lossless, output_ids, ...).
-Bad input ends with one `error: ...` line and exit code 1; the JSON is written atomically.
+Prints the prompt, the generated continuation and one metrics line (status lines for each
+phase go to stderr; `--quiet` drops them, `--verbosity=1` shows library logs).
+`--metrics_json=PATH` writes every DESIGN §8 key (method, temperature, new_tokens, tau,
+acceptance_rate, per_position_acceptance, acceptance_lengths, tokens_per_s,
+ar_tokens_per_s, speedup, lossless, output_ids, ...); `--trace_json=PATH` writes row 0's
+per-step trace (proposed tokens, accepted count, committed tokens). Bad input ends with one
+`error: ...` line and exit code 1; JSON files are written atomically.
 """
 
 import os
@@ -15,13 +18,17 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from dspec import cli  # noqa: E402
-from dspec.files import write_json_atomic  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
                                           lock_config=True)
 _PROMPT = flags.DEFINE_multi_string('prompt', None, 'Prompt text (repeat for a batch).')
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'Comma-separated prompt token ids.')
 _METRICS_JSON = flags.DEFINE_string('metrics_json', None, 'Where to write the metrics JSON.')
+_TRACE_JSON = flags.DEFINE_string('trace_json', None, "Where to write row 0's step trace.")
+_QUIET = flags.DEFINE_bool('quiet', False, 'No status lines.')
+
+_METRIC_KEYS = ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate',
+                'tokens_per_s', 'ar_tokens_per_s', 'speedup', 'lossless', 'compile_s')
 
 
 def _parse_ids(text: str) -> list:
@@ -33,22 +40,25 @@ def _parse_ids(text: str) -> list:
 
 def main(argv):
   del argv
-  from dspec import sharding
+  from dspec import console, sharding
+  status = console.configure(_QUIET.value)
   sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
-  from dspec.decoding import runner  # heavy imports after flag parsing
+  from dspec import files  # heavy imports after flag parsing
+  from dspec.decoding import runner
   cfg = _CONFIG.value
   if _PROMPT_IDS.value is not None and _PROMPT.value:
     raise cli.UserError('give either --prompt or --prompt_ids, not both')
   prompts = [_parse_ids(_PROMPT_IDS.value)] if _PROMPT_IDS.value is not None else _PROMPT.value
-  report = runner.run_decode(cfg, prompts)
-  print(report['text'])
-  keys = ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate', 'tokens_per_s',
-          'ar_tokens_per_s', 'speedup', 'lossless', 'compile_s')
+  report = runner.run_decode(cfg, prompts, trace=bool(_TRACE_JSON.value), progress=status)
+  print(f"prompt:\n{report['prompt']}\n----- continuation -----\n{report['text']}\n"
+        '------------------------')
   print('metrics: ' + ' '.join(
       f'{k}={report[k]:.3f}' if isinstance(report[k], float) else f'{k}={report[k]}'
-      for k in keys))
+      for k in _METRIC_KEYS))
+  if _TRACE_JSON.value:
+    files.write_json_atomic(_TRACE_JSON.value, report.pop('trace'))
   if _METRICS_JSON.value:
-    write_json_atomic(_METRICS_JSON.value, report)
+    files.write_json_atomic(_METRICS_JSON.value, report)
 
 
 if __name__ == '__main__':

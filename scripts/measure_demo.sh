@@ -20,6 +20,6 @@ for p in "humaneval 0" "gsm8k_test 0"; do set -- $p
   done
   for b in 4 8; do
     $PY scripts/decode.py --config=configs/demo.py --config.prompt_set=$1 --config.prompt_index=$2 \
-      --config.drafters.dflash.block_size=$b --metrics_json=docs/measure/block${b}_$1_$2.json 2>&1 | grep "metrics:"
+      --config.drafters.dflash.num_draft=$((b - 1)) --metrics_json=docs/measure/block${b}_$1_$2.json 2>&1 | grep "metrics:"
   done
 done

@@ -3,14 +3,13 @@
 import os
 import sys
 
-import jax
-import numpy as np
 import pytest
 from flax import nnx
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)   # `configs` is a folder of the repo, not an installed package
 
+from dspec.decoding.prompts import generated_ids, pad_prompts  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 
@@ -47,19 +46,10 @@ def tiny_split(tiny_model):
   return nnx.split(tiny_model)
 
 
-def pad_prompts(prompts):
-  width = max(len(p) for p in prompts)
-  out = np.zeros((len(prompts), width), np.int32)
-  for i, p in enumerate(prompts):
-    out[i, :len(p)] = p
-  return out, np.array([len(p) for p in prompts], np.int32)
-
-
 def generate(engine, params, drafter_params, prompts, max_new_tokens, **kw):
   """Runs prefill + on-device loop; returns (generated ids per row, final state)."""
   prompt_BP, lens = pad_prompts(prompts)
   state = engine.prefill(params, drafter_params, prompt_BP, lens,
                          max_new_tokens=max_new_tokens, **kw)
   state = engine.generate(params, drafter_params, state)
-  tokens, nums = jax.device_get((state.tokens_BL, state.num_tokens_B))
-  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(len(prompts))], state
+  return generated_ids(state), state

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from dspec.checkpoint import (CheckpointError, TrainCheckpointer, load_model_state,
-                              load_target, load_tree, save_model, save_tree)
+                              load_tree, save_model, save_tree)
+from dspec.loading import load_target_checkpoint as load_target
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 

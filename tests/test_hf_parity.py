@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from dspec.checkpoint import load_target  # noqa: E402
+from dspec.loading import load_target_checkpoint as load_target  # noqa: E402
 from dspec.decoding.engine import SpeculativeEngine  # noqa: E402
 from dspec.hf_export import export_to_hf, to_transformers_model  # noqa: E402
 from dspec.hf_import import config_from_hf, load_hf_model  # noqa: E402

@@ -307,9 +307,14 @@ def test_non_finite_loss_stops_training_naming_the_step(tmp_path, log_every, poi
     ('learning_rate', math.nan), ('learning_rate', math.inf), ('learning_rate', -1.0),
     ('ckpt_every', 0), ('log_every', 0), ('eval_every', -5), ('num_steps', 0),
     ('seed', 2 ** 31), ('b2', 1.0), ('grad_clip', math.nan), ('export_every', -1),
+    ('storage_dtype', 'float16'), ('mixture', {'gsm8k': 0.0}),
+    ('mixture', {'gsm8k': math.nan}),
 ])
 def test_bad_training_numbers_are_refused_naming_the_field(field, value):
   cfg = _toy_cfg()
+  if field == 'mixture':
+    cfg.unlock()
+    del cfg['mixture']
   cfg[field] = value
   with pytest.raises(cli.UserError, match=f'training.{field}'):
     config_checks.check_training_config(cfg)

@@ -6,7 +6,8 @@ Each batch of prompts gets one warm-up run (compilation; excluded, summed into c
 and then `timing_repeats` timed runs whose median counts (`runner.timed_generation`).
 
 Row metrics:
-  tau                the mean over prompts of per-prompt τ (bonus included; AR = 1)
+  tau                token-weighted τ: committed tokens / verify steps over every prompt
+                     (bonus included; AR = 1); tau_per_prompt_mean: the mean of per-prompt τ
   acceptance_rate,   `metrics.acceptance_metrics` over every step of every prompt
   per_position_acceptance (unconditional), tau_histogram (index n: steps committing n + 1)
   tokens_per_s       generated tokens of all prompts / their decode seconds (prefill excluded)
@@ -15,8 +16,8 @@ Row metrics:
                      token-rate ratio accounts for different output lengths.
   lossless_fraction  prompts whose greedy output is token-identical to AR's (T = 0); null at T > 0
   sol_bound          `sol.sol_bound` with P = num_draft + 1 and the dataset's measured entropy
-Suffix decoding gets a fresh global trie per (dataset, temperature, batch size, size) that
-persists across that run's prompts: later prompts draft from earlier prompts' outputs,
+Suffix decoding gets a private global trie per (dataset, temperature, batch size, size)
+(`host_drafter_factory(private=True)`) that persists across that run's prompts: later prompts draft from earlier prompts' outputs,
 never from their own (the timing-honesty rule of drafters/suffix.py). A last batch with
 fewer prompts than the batch size is filled with repeats, which count in time, not tokens.
 With `bench.hf_peer`, `hf_peer.time_hf_generate` times transformers on the first
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import os
 import time
 from types import SimpleNamespace
@@ -38,31 +38,23 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from dspec import datasets, loading
 from dspec.bench import hf_peer, report, sol
 from dspec.cli import UserError
+from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
-from dspec.decoding.drafter import NoDrafter
 from dspec.decoding.drafters import registry
-from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
-                                            SuffixHostDrafter)
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
 from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
-from dspec.training import corpus
-
-MT_BENCH_CATEGORIES = ('writing', 'roleplay', 'reasoning', 'math', 'coding', 'extraction',
-                       'stem', 'humanities')
-REFERENCE_DRAFTERS = ('oracle',)   # drafters whose params are the AR output
-_STAT_FIELDS = ('steps_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B')
+_STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B')
 
 
 def load_dataset(name: str, data_dir: str, limit: int) -> list:
-  """Prompt strings; `spec_bench/mt_bench` interleaves Spec-Bench's 8 MT-Bench categories."""
+  """Prompt strings of a prompt set (`datasets.PROMPT_SETS`); missing packages are
+  user errors."""
   try:
-    if name == 'spec_bench/mt_bench':
-      groups = [corpus.load_prompts(f'spec_bench/{c}', data_dir) for c in MT_BENCH_CATEGORIES]
-      merged = [p for row in itertools.zip_longest(*groups) for p in row if p is not None]
-      return merged[:limit]
-    return corpus.load_prompts(name, data_dir, limit)
+    return datasets.load_prompts(name, data_dir, limit)
   except ImportError as e:
     raise UserError(str(e)) from e
 
@@ -78,11 +70,9 @@ def make_batches(ids: list, batch_size: int, tokenizer, vocab_size: int, max_seq
                  max_new_tokens: int, bucket: int) -> list:
   batches = []
   for start in range(0, len(ids), batch_size):
-    chunk = ids[start:start + batch_size]
-    prompt_BP, lens = runner.encode_prompts(chunk, tokenizer, vocab_size, batch_size,
-                                            max_seq_len, max_new_tokens)
-    width = -(-prompt_BP.shape[1] // bucket) * bucket
-    prompt_BP = np.pad(prompt_BP, ((0, 0), (0, width - prompt_BP.shape[1])))
+    chunk = encode_prompts(ids[start:start + batch_size], tokenizer, vocab_size,
+                           max_seq_len, max_new_tokens)
+    prompt_BP, lens = pad_prompts(chunk, batch_size, width_multiple=bucket)
     batches.append(Batch(prompt_BP, lens, len(chunk)))
   return batches
 
@@ -106,37 +96,23 @@ class RunResult:
     return acceptance_metrics(SimpleNamespace(**merged))
 
 
-def run_batches(engine, target_params, batches: list, run_cfg, drafter_params: Callable,
-                host_factory, on_state: Callable, tick: Callable) -> RunResult:
+def run_batches(engine, target_params, batches: list, settings: runner.Settings,
+                drafter_params, host_factory, on_state: Callable, tick: Callable) -> RunResult:
   """Times every batch (`runner.timed_generation`); keeps the real rows' results."""
   result = RunResult(engine.num_draft)
   for i, batch in enumerate(batches):
-    timed = runner.timed_generation(engine, target_params, drafter_params(i),
-                                    batch.prompt_BP, batch.lens, run_cfg, host_factory)
+    timed = runner.timed_generation(engine, target_params, drafter_params, batch.prompt_BP,
+                                    batch.lens, settings, host_factory)
     state, n = timed['state'], batch.rows
     generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
     result.decode_s.append(timed['decode_s'])
     result.new_tokens.append(int(generated[:n].sum()))
-    result.outputs += runner.generated_ids(state)[:n]
+    result.outputs += generated_ids(state)[:n]
     result.stats.append({f: np.asarray(getattr(state.stats, f))[:n] for f in _STAT_FIELDS})
     result.compile_s += timed['compile_s']
     on_state(i, state, batch)
     tick()
   return result
-
-
-def _suffix_host_factory(drafter: SuffixDrafter):
-  """Host drafters sharing one private global trie (dropped with the run)."""
-  shared = SharedSuffixCache(SuffixCache(
-      drafter.max_depth, drafter.max_cached_requests if drafter.use_global_cache else 0))
-  return lambda: SuffixHostDrafter(shared, drafter.max_draft, drafter.min_token_prob,
-                                   drafter.max_spec_factor, drafter.max_spec_offset)
-
-
-def host_factory_for(drafter):
-  if isinstance(drafter, SuffixDrafter):
-    return _suffix_host_factory(drafter)
-  return getattr(drafter, 'host_drafter_factory', None)
 
 
 def run_config(cfg, method: str, temperature: float = 0.0, batch_size: int = 1,
@@ -145,7 +121,7 @@ def run_config(cfg, method: str, temperature: float = 0.0, batch_size: int = 1,
   c = copy.deepcopy(cfg)
   c.drafter, c.temperature, c.batch_size = method, float(temperature), int(batch_size)
   if size is not None:
-    c.drafters[method][c.bench.size_fields[method]] = int(size)
+    c.drafters[method].num_draft = int(size)
   return c
 
 
@@ -162,11 +138,7 @@ def plan_methods(cfg) -> tuple:
     if sub is not None and 'path' in sub and not sub.path:
       skipped[method] = f'no checkpoint: drafters.{method}.path is empty'
       continue
-    if method in bench.size_fields:
-      sizes = bench.method_sizes.get(method, bench.sizes)
-    else:
-      sizes = (None,)
-    plan += [(method, None if s is None else int(s)) for s in sizes]
+    plan += [(method, int(s)) for s in bench.method_sizes.get(method, bench.sizes)]
   return plan, skipped
 
 
@@ -180,7 +152,7 @@ def validate(cfg) -> None:
   if bench.prompt_bucket < 1:
     raise UserError(f'bench.prompt_bucket must be >= 1, got {bench.prompt_bucket}')
   for t in bench.temperatures:
-    runner.validate_sampling(run_config(cfg, 'none', t, min(bench.batch_sizes)))
+    runner.Settings.from_config(run_config(cfg, 'none', t, min(bench.batch_sizes)))
   if bench.hf_peer:
     hf = bench.hf
     if hf.dataset not in bench.datasets or 0.0 not in bench.temperatures \
@@ -202,8 +174,8 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
   return {
       'engine': 'dspec', 'dataset': dataset, 'method': method,
       'temperature': float(temperature), 'batch_size': int(batch_size),
-      'block_size': int(size) if size is not None else width,
       'num_draft': res.num_draft, 'tau': metrics['tau'],
+      'tau_per_prompt_mean': metrics['tau_per_prompt_mean'],
       'acceptance_rate': metrics['acceptance_rate'],
       'per_position_acceptance': metrics['per_position_acceptance'],
       'per_position_acceptance_conditional': metrics['per_position_acceptance_conditional'],
@@ -225,15 +197,14 @@ class Benchmark:
   def __init__(self, cfg, out_dir: str, command: str = ''):
     validate(cfg)
     self.cfg, self.bench, self.out_dir, self.command = cfg, cfg.bench, out_dir, command
-    self.target, self.tokenizer, self.max_seq_len = runner.build_target(cfg.model)
+    self.target, self.tokenizer, self.max_seq_len = loading.build_target(cfg.model)
     self.graphdef, self.params = nnx.split(self.target)
     self.stop_ids = tuple(self.tokenizer.stop_ids)
     self.plan, self.skipped = plan_methods(cfg)
     self.drafters = {}   # built once (checkpoints load once, bad ones fail before timing)
     for method, size in self.plan:
-      if method not in REFERENCE_DRAFTERS:
-        self.drafters[method, size] = registry.build_drafter(
-            run_config(cfg, method, size=size), self.target)
+      self.drafters[method, size] = registry.build_drafter(
+          run_config(cfg, method, size=size), self.target)
     self.prompts = {}
     for name in self.bench.datasets:
       texts = load_dataset(name, cfg.data_dir, self.bench.num_prompts)
@@ -251,9 +222,9 @@ class Benchmark:
     hf = 3 * self.bench.hf.num_prompts if self.bench.hf_peer else 0
     return per_batch * len(self.bench.temperatures) * (1 + len(self.plan)) + hf
 
-  def _engine(self, drafter, run_cfg) -> SpeculativeEngine:
-    return SpeculativeEngine(self.graphdef, drafter=drafter,
-                             sampling=runner.validate_sampling(run_cfg), stop_ids=self.stop_ids)
+  def _engine(self, drafter, settings: runner.Settings) -> SpeculativeEngine:
+    return SpeculativeEngine(self.graphdef, drafter=drafter, sampling=settings.sampling(),
+                             stop_ids=self.stop_ids)
 
   def run_sweep_point(self, dataset: str, temperature: float, batch_size: int,
                       bar: tqdm) -> None:
@@ -262,20 +233,17 @@ class Benchmark:
     batches = make_batches(self.prompts[dataset], batch_size, self.tokenizer,
                            self.target.cfg.vocab_size, self.max_seq_len, cfg.max_new_tokens,
                            self.bench.prompt_bucket)
-    ar_cfg = run_config(cfg, 'none', temperature, batch_size)
+    settings = runner.Settings.from_config(run_config(cfg, 'none', temperature, batch_size))
     meter = None
     if (dataset, temperature) not in self.entropy:
       meter = sol.EntropyMeter(self.graphdef, self.params, temperature, cfg.top_k, cfg.top_p)
-    ar_tokens = []
-
     def on_ar_state(i, state, batch):
-      ar_tokens.append(np.asarray(state.tokens_BL))
       if meter is not None:
         meter.add(state, batch.rows)
 
     bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} ar')
-    ar = run_batches(self._engine(NoDrafter(), ar_cfg), self.params, batches, ar_cfg,
-                     lambda i: None, None, on_ar_state, bar.update)
+    ar = run_batches(self._engine(drafter_lib.NoDrafter(), settings), self.params, batches,
+                     settings, None, None, on_ar_state, bar.update)
     if meter is not None:
       self.entropy[dataset, temperature] = meter.moments()
     entropy = self.entropy[dataset, temperature]
@@ -286,16 +254,11 @@ class Benchmark:
     self.rows.append(ar_row)
     runs = {'ar': ar}
     for method, size in self.plan:
-      run_cfg = run_config(cfg, method, temperature, batch_size, size)
-      if method in REFERENCE_DRAFTERS:
-        drafter = registry.build_drafter(run_cfg, self.target, ar_tokens[0])[0]
-        params = lambda i, c=run_cfg: registry.build_drafter(c, self.target, ar_tokens[i])[1]
-      else:
-        drafter, fixed = self.drafters[method, size]
-        params = lambda i, p=fixed: p
+      drafter, params = self.drafters[method, size]
       bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} {method}:{size}')
-      res = run_batches(self._engine(drafter, run_cfg), self.params, batches, run_cfg, params,
-                        host_factory_for(drafter), lambda *a: None, bar.update)
+      res = run_batches(self._engine(drafter, settings), self.params, batches, settings,
+                        params, drafter_lib.host_drafter_factory(drafter, private=True),
+                        lambda *a: None, bar.update)
       self.rows.append(_row(dataset, method, *args, size, res, ar, entropy,
                             cfg.max_new_tokens))
       runs[method, size] = res
@@ -325,8 +288,8 @@ class Benchmark:
       self.rows.append({
           'engine': 'transformers', 'dataset': hf_cfg.dataset, 'method': method,
           'temperature': 0.0, 'batch_size': 1,
-          'block_size': {'hf_ar': 1, 'hf_prompt_lookup': hf_cfg.prompt_lookup_num_tokens,
-                         'hf_assisted': hf_cfg.num_assistant_tokens}[method],
+          'num_draft': {'hf_ar': 0, 'hf_prompt_lookup': hf_cfg.prompt_lookup_num_tokens,
+                        'hf_assisted': hf_cfg.num_assistant_tokens}[method],
           'tau': None, 'per_position_acceptance': [], 'tau_histogram': [],
           'speedup': hf_tps[method] / hf_tps['hf_ar'], 'tokens_per_s': hf_tps[method],
           'ar_tokens_per_s': hf_tps['hf_ar'],
@@ -347,7 +310,7 @@ class Benchmark:
         'dspec_ar_tokens_per_s': dspec_ar_tps, 'hf_ar_tokens_per_s': hf_tps['hf_ar'],
         'ar_ratio': dspec_ar_tps / hf_tps['hf_ar'],
         'dspec_best': None if best_key is None else
-        {'method': best_key[0], 'block_size': best_key[1], 'tokens_per_s': dspec_best_tps,
+        {'method': best_key[0], 'num_draft': best_key[1], 'tokens_per_s': dspec_best_tps,
          'speedup': dspec_best_speedup},
         'hf_best': {'method': hf_best, 'tokens_per_s': hf_tps[hf_best],
                     'speedup': hf_best_speedup},

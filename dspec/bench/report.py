@@ -91,15 +91,15 @@ def best_sizes(rows, temperature: float = 0.0, batch_size: Optional[int] = None)
   for method in _ordered(r['method'] for r in rows if r['method'] != 'ar'):
     sel = [r for r in rows if r['method'] == method and r['temperature'] == temperature
            and r['batch_size'] == batch_size]
-    sizes = _ordered(r['block_size'] for r in sel)
+    sizes = _ordered(r['num_draft'] for r in sel)
     if sizes:
       picked[method] = max(sizes, key=lambda s: _geomean(
-          r['speedup'] for r in sel if r['block_size'] == s))
+          r['speedup'] for r in sel if r['num_draft'] == s))
   return picked
 
 
 def _pick(rows, method, size, temperature, batch_size) -> list:
-  return [r for r in _dspec(rows) if r['method'] == method and r['block_size'] == size
+  return [r for r in _dspec(rows) if r['method'] == method and r['num_draft'] == size
           and r['temperature'] == temperature and r['batch_size'] == batch_size]
 
 
@@ -269,7 +269,7 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
     hf_rows = [r for r in rows if r.get('engine') == 'transformers']
     parts += [_table(['method', 'K', 'tokens/s', 'speedup vs HF AR', 'dspec counterpart tok/s',
                       'dspec / HF', 'same output as reference'],
-                     [[r['method'], r['block_size'], r['tokens_per_s'], r['speedup'],
+                     [[r['method'], r['num_draft'], r['tokens_per_s'], r['speedup'],
                        r['dspec_tokens_per_s'], r['dspec_over_hf'], r['lossless_fraction']]
                       for r in hf_rows]), '']
     best = peer['dspec_best']
@@ -278,7 +278,7 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
         f'{peer["hf_ar_tokens_per_s"]:.1f} tok/s → ratio {peer["ar_ratio"]:.2f} '
         f'(goal ≥ 1: {"met" if peer["goal_ar"] else "not met"}).',
         f'- Best speculative: dspec '
-        + (f'{best["method"]} ({best["block_size"]}) {best["speedup"]:.2f}×, '
+        + (f'{best["method"]} ({best["num_draft"]}) {best["speedup"]:.2f}×, '
            f'{best["tokens_per_s"]:.1f} tok/s' if best else 'none')
         + f' vs HF {peer["hf_best"]["method"]} {peer["hf_best"]["speedup"]:.2f}×, '
         f'{peer["hf_best"]["tokens_per_s"]:.1f} tok/s → speedup ratio '
@@ -314,7 +314,7 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
   parts += ['', f'{heading} All runs', '', _table(
       ['dataset', 'method', 'T', 'batch', 'size', 'τ', 'α', 'speedup', 'tok/s', 'AR tok/s',
        'lossless', 'SOL bound', 'compile s'],
-      [[r['dataset'], r['method'], r['temperature'], r['batch_size'], r['block_size'],
+      [[r['dataset'], r['method'], r['temperature'], r['batch_size'], r['num_draft'],
         r['tau'], r['acceptance_rate'], r['speedup'], r['tokens_per_s'], r['ar_tokens_per_s'],
         r['lossless_fraction'], r['sol_bound'], r['compile_s']] for r in dspec_rows]), '']
   return parts

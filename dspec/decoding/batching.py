@@ -20,15 +20,14 @@ at T > 0 a refilled row draws from the batch's key stream, still an exact sample
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import List, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.sharding import path_str, suffix_axes
 
 
@@ -54,21 +53,6 @@ def _insert_row(state, row_state, row):
 _jit_insert = jax.jit(_insert_row, donate_argnums=0)
 
 
-def _until_a_row_finishes(engine, target_params, drafter_params, state, num_steps):
-  """Steps until a live row finishes, every row is done, or `num_steps` steps ran."""
-  stop, done0 = state.step + num_steps, state.done_B
-  return jax.lax.while_loop(
-      lambda st: (st.step < stop) & ~jnp.any(st.done_B & ~done0) & ~jnp.all(st.done_B),
-      lambda st: engine.step_fn(target_params, drafter_params, st),
-      state)
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled_run(engine: SpeculativeEngine):
-  """The jitted loop for one engine (a closure: no per-call hashing of the engine)."""
-  return jax.jit(functools.partial(_until_a_row_finishes, engine), donate_argnums=2)
-
-
 def serve(engine: SpeculativeEngine, target_params, drafter_params,
           requests: Sequence[Sequence[int]], batch_size: int, *, max_new_tokens: int,
           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -82,14 +66,7 @@ def serve(engine: SpeculativeEngine, target_params, drafter_params,
   if not requests or batch_size < 1:
     raise ValueError('serve needs at least one request and batch_size >= 1')
   width = max(len(r) for r in requests)
-  if min(len(r) for r in requests) < 1:
-    raise ValueError('serve: empty prompt')
-
-  def padded(rows):
-    out = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-      out[i, :len(r)] = r
-    return out, np.array([len(r) for r in rows], np.int32)
+  padded = lambda rows: pad_prompts(rows, width_multiple=width)
 
   kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
   first = list(range(min(batch_size, len(requests))))
@@ -103,11 +80,11 @@ def serve(engine: SpeculativeEngine, target_params, drafter_params,
   result = {'outputs': [None] * n, 'accepted': [0] * n, 'proposed': [0] * n,
             'steps': [0] * n}
   row_steps = live_row_steps = 0
-  run = _compiled_run(engine)
   t0 = time.perf_counter()
   while True:
     step_before = int(state.step)
-    state = run(target_params, drafter_params, state, jnp.asarray(steps_per_sync, jnp.int32))
+    state = engine.run(target_params, drafter_params, state, steps_per_sync,
+                       until_row_done=True)
     done, tokens, nums, lens, steps, acc, prop, step = jax.device_get((
         state.done_B, state.tokens_BL, state.num_tokens_B, state.prompt_len_B,
         state.stats.steps_B, state.stats.accepted_B, state.stats.proposed_B, state.step))
@@ -141,14 +118,9 @@ def static_batches(engine: SpeculativeEngine, target_params, drafter_params,
   outs = []
   width = max(len(r) for r in requests)
   for s in range(0, len(requests), batch_size):
-    rows = list(requests[s:s + batch_size])
-    prompt_BP = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-      prompt_BP[i, :len(r)] = r
-    lens = np.array([len(r) for r in rows], np.int32)
+    prompt_BP, lens = pad_prompts(requests[s:s + batch_size], width_multiple=width)
     state = engine.generate(target_params, drafter_params,
                             engine.prefill(target_params, drafter_params, prompt_BP, lens,
                                            **kw))
-    tokens, nums = jax.device_get((state.tokens_BL, state.num_tokens_B))
-    outs += [tokens[i, lens[i]:nums[i]].tolist() for i in range(len(rows))]
+    outs += generated_ids(state)
   return outs

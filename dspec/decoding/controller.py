@@ -37,9 +37,9 @@ the counters back once; while the chosen tier is unchanged the chunk grows (x2, 
 up to `max_steps_per_decision` steps and `chunk_seconds` of profiled device time, which
 bounds the cost of a wrong choice) to amortise the host round trip (at tier 0 with shadow
 drafts only after `shadow_warmup` samples, so the first evidence comes quickly). Drafters
-are rebuilt per tier with `num_draft = γ` (ngram, oracle, self, MTP) or `block_size = γ +
-1` (DFlash); when the rebuilt drafter's state differs from the largest tier's (MTP caches
-one layer per depth) the largest tier's drafter is used with its proposal truncated to γ.
+are rebuilt per tier with `drafter.with_num_draft(γ)`; when the rebuilt drafter's state
+differs from the largest tier's (MTP caches one layer per depth) the largest tier's
+drafter is used with its proposal truncated to γ (`TruncatedDrafter`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import dataclasses
 import functools
 import json
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,9 @@ import numpy as np
 from flax import nnx
 
 from dspec import files
+from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.sampling import SamplingSpec
-from dspec.decoding.state import DecodeStats, Proposal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,50 +96,15 @@ class ControllerConfig:
 
 # ---------------------------------------------------------------------------- tiers
 
-@dataclasses.dataclass(frozen=True)
-class TierDrafter:
-  """`inner` (state, update, taps) proposing at most `num_draft` of its tokens."""
-
-  inner: Any
-  num_draft: int
-
-  @property
-  def taps(self):
-    return self.inner.taps
-
-  def init(self, params, target, ctx, prefill_out):
-    return self.inner.init(params, target, ctx, prefill_out)
-
-  def propose(self, params, state, target, ctx, key):
-    b = ctx.tokens_BL.shape[0]
-    if self.num_draft == 0:
-      return Proposal(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32))
-    p = self.inner.propose(params, state, target, ctx, key)
-    g = self.num_draft
-    return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
-                    None if p.q_BGV is None else p.q_BGV[:, :g])
-
-  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return self.inner.update(params, state, target, ctx, verify_out, start_B,
-                             num_accepted_B)
-
-  def check_target(self, target_cfg):
-    return self.inner.check_target(target_cfg)
-
-
-def resize_drafter(drafter, gamma: int):
-  """`drafter` rebuilt to propose `gamma` tokens, or None when it cannot."""
-  if not dataclasses.is_dataclass(drafter):
-    return None
-  names = {f.name for f in dataclasses.fields(drafter)}
+def tier_drafter(drafter, gamma: int):
+  """`drafter` proposing `gamma` tokens (`with_num_draft`; tier 0 truncates it to nothing),
+  or None when it cannot."""
+  if gamma == 0:
+    return TruncatedDrafter(drafter, 0)
   try:
-    if 'num_draft' in names:
-      return dataclasses.replace(drafter, num_draft=gamma)
-    if 'block_size' in names:
-      return dataclasses.replace(drafter, block_size=gamma + 1)
+    return drafter.with_num_draft(gamma)
   except ValueError:
     return None
-  return None
 
 
 # ------------------------------------------------------------------------ cost table
@@ -238,15 +203,6 @@ def row_tokens(alpha_BG: np.ndarray, gamma: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------ controller
 
-def _chunk_fn(engine: SpeculativeEngine, target_params, drafter_params, state, num_steps):
-  """Up to `num_steps` engine steps (fewer once every row is done)."""
-  stop = state.step + num_steps
-  return jax.lax.while_loop(
-      lambda st: (st.step < stop) & ~jnp.all(st.done_B),
-      lambda st: engine.step_fn(target_params, drafter_params, st),
-      state)
-
-
 def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
   """What the largest tier would propose now: (tokens [B, G], count [B], start [B])."""
   target = nnx.merge(engine.target_graphdef, target_params)
@@ -273,13 +229,13 @@ class VerifyLengthController:
 
   def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
-               cost_table: Optional[CostTable] = None):
+               cost_table: Optional[CostTable] = None, trace: bool = False):
     self.config = config
     self.drafter = drafter
     self.costs = cost_table or CostTable()
     tiers = {}
     for g in config.tiers:
-      d = TierDrafter(drafter, 0) if g == 0 else resize_drafter(drafter, g)
+      d = tier_drafter(drafter, g)
       if d is not None:
         tiers[g] = d
     if len(tiers) < 2 or 0 not in tiers:
@@ -287,18 +243,17 @@ class VerifyLengthController:
                        f'the tiers {config.tiers} (need 0 and one positive tier)')
     self.max_gamma = max(tiers)
     self._make = lambda d: SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
-                                             stop_ids=stop_ids)
+                                             stop_ids=stop_ids, trace=trace)
     self._set_engines({g: self._make(d) for g, d in tiers.items()})
     self.last_trace = []
+    self.row0_tiers = []    # the tier of each of row 0's verify steps (last `generate`)
     self._checked = False
     self._realised = {}     # tier -> EMA of realised / predicted tokens (<= 1)
 
   def _set_engines(self, engines):
-    """Engines per tier and their jitted chunk / shadow programs. Built once as closures:
-    hashing an engine (its graphdef) as a static jit argument costs ~1 ms per call."""
+    """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
+    proposal of the largest tier."""
     self.engines = engines
-    self._chunk = {g: jax.jit(functools.partial(_chunk_fn, e), donate_argnums=2)
-                   for g, e in engines.items()}
     self._shadow = jax.jit(functools.partial(_shadow_fn, engines[self.max_gamma]))
 
   @property
@@ -320,8 +275,7 @@ class VerifyLengthController:
                                                  prompt_len_B, **kw)
     if not self._checked:
       self._share_state(target_params, drafter_params, prompt_BP.shape, state)
-    stats = DecodeStats.zeros(state.tokens_BL.shape[0], self.max_gamma)
-    return state.replace(stats=jax.tree.map(lambda x: x.copy(), stats))  # distinct buffers
+    return state
 
   def _share_state(self, target_params, drafter_params, prompt_shape, state):
     """Tiers whose rebuilt drafter keeps a different state truncate the largest one."""
@@ -330,8 +284,8 @@ class VerifyLengthController:
     for g, engine in self.engines.items():
       if g not in (0, self.max_gamma) and not _same_state(
           engine, target_params, drafter_params, prompt_shape, state):
-        engines[g] = self._make(TierDrafter(ref, g))
-    engines[0] = self._make(TierDrafter(ref, 0))
+        engines[g] = self._make(TruncatedDrafter(ref, g))
+    engines[0] = self._make(TruncatedDrafter(ref, 0))
     self._set_engines(engines)
     self._checked = True
 
@@ -339,7 +293,7 @@ class VerifyLengthController:
     """Times every tier's step on copies of `state` (compiling first), and the largest
     tier's proposal alone; fills the table."""
     b = state.tokens_BL.shape[0]
-    steps = jnp.asarray(self.config.profile_steps, jnp.int32)
+    steps = self.config.profile_steps
     propose = lambda: self._shadow(target_params, drafter_params, state)
     jax.block_until_ready(propose())
     t0 = time.perf_counter()
@@ -350,7 +304,7 @@ class VerifyLengthController:
       for g in self.tiers:                             # interleave tiers against drift
         copy = jax.tree.map(lambda x: x.copy(), state)
         t0 = time.perf_counter()
-        out = self._chunk[g](target_params, drafter_params, copy, steps)
+        out = self.engines[g].run(target_params, drafter_params, copy, steps)
         done = max(int(out.step - state.step), 1)
         if r:
           best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
@@ -401,9 +355,10 @@ class VerifyLengthController:
     shadow = self.costs.propose[b] <= cfg.shadow_budget * cfg.steps_per_decision * \
         self.costs[b, 0]
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
-    hist, done, num, prompt_len, max_new = jax.device_get((
+    hist, done, num, prompt_len, max_new, row0_steps = jax.device_get((
         state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
-        state.max_new_tokens))
+        state.max_new_tokens, state.stats.steps_B[0]))
+    self.row0_tiers = []
     trace, prev, chunk = [], None, cfg.steps_per_decision
     idle, probe_every, shadowed = 0, cfg.probe_every, 0
     positive = min(g for g in self.tiers if g > 0)
@@ -428,13 +383,15 @@ class VerifyLengthController:
       shadow_now, matched = shadow and g < self.max_gamma, None
       if shadow_now:
         proposed = self._shadow(target_params, drafter_params, state)
-      state = self._chunk[g](target_params, drafter_params, state,
-                             jnp.asarray(chunk, jnp.int32))
+      state = self.engines[g].run(target_params, drafter_params, state, chunk)
       if shadow_now:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
-      new_hist, done, num, matched = jax.device_get((
-          state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched))
+      new_hist, done, num, matched, new_row0_steps = jax.device_get((
+          state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched,
+          state.stats.steps_B[0]))
       steps = int(new_hist.sum() - hist.sum())
+      self.row0_tiers += [g] * int(new_row0_steps - row0_steps)
+      row0_steps = new_row0_steps
       trace.append((g, steps, time.perf_counter() - t0))
       if g and steps:   # realised vs predicted tokens: corrects optimistic estimates
         ratio = float(np.sum(num - num_before)) / (

@@ -12,21 +12,45 @@ every drafter:
 `TargetOutput`s (logits, post-norm hidden, requested taps). `update` sees the context after
 commit: verify position j (0..γ) sits at absolute position start_B + j and the first
 num_accepted_B + 1 of them are now committed.
+
+Contract:
+  num_draft        γ, the most draft tokens one step proposes (static). It is the one
+                   draft-length knob: every drafter's config calls it `num_draft`.
+  with_num_draft   the same drafter proposing `g` tokens (the verify-length controller's
+                   tiers), or ValueError when it cannot.
+  taps             target layers whose residual outputs `prefill_out` / `verify_out` carry.
+  check_target     ValueError (one line) when the drafter does not fit the target.
+A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
+proposal distribution for rejection sampling (None: deterministic drafts).
+
+Drafters that propose on the host (suffix trees) subclass `HostProposing`: the host loop
+(`host_loop.py`) gets a fresh `HostDrafter` per generation from its factory and passes its
+proposals into the same jitted step.
+
+Adding a drafter:
+  1. One file in `dspec/decoding/drafters/`: a frozen dataclass with a `num_draft` field
+     implementing this protocol (subclass `DrafterBase`, or `StatelessDrafter` when it
+     keeps no per-sequence state), plus `build(cfg, target) -> (drafter, params)` reading `cfg.drafters.<name>`.
+  2. One line in `drafters/registry.py` naming that builder, and its config defaults in
+     `configs/common.py: drafter_configs()` (with a `num_draft` field).
+The engine, the controller, batching, the CLI, the API and the benchmark harness then take
+it by name; the greedy / chi-square losslessness suites in tests/ take it as a case.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Tuple
+from typing import Any, Callable, Optional, Protocol, Tuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from dspec.decoding.state import DraftContext, Proposal
 
 
 class Drafter(Protocol):
-  num_draft: int                 # γ: draft tokens proposed per step (static)
-  taps: Tuple[int, ...]          # target layers whose residual outputs the drafter needs
+  num_draft: int
+  taps: Tuple[int, ...]
 
   def init(self, params, target, ctx: DraftContext, prefill_out) -> Any: ...
 
@@ -35,8 +59,71 @@ class Drafter(Protocol):
   def update(self, params, state, target, ctx: DraftContext, verify_out, start_B,
              num_accepted_B) -> Any: ...
 
+  def check_target(self, target_cfg) -> None: ...
+
+  def with_num_draft(self, num_draft: int) -> 'Drafter': ...
+
+
+def empty_proposal(batch: int, num_draft: int) -> Proposal:
+  """A proposal with no draft tokens in any row."""
+  return Proposal(jnp.zeros((batch, num_draft), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+class DrafterBase:
+  """Defaults for dataclass drafters with a `num_draft` field: no taps, fits any target."""
+
+  taps: Tuple[int, ...] = ()
+
   def check_target(self, target_cfg) -> None:
-    """Raises ValueError with one clear line when the drafter does not fit the target."""
+    return None
+
+  def with_num_draft(self, num_draft: int):
+    return dataclasses.replace(self, num_draft=num_draft)
+
+
+class StatelessDrafter(DrafterBase):
+  """Base of drafters that keep no per-sequence state."""
+
+  def init(self, params, target, ctx, prefill_out):
+    return ()
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return state
+
+
+class HostDrafter(Protocol):
+  """Proposes on the host from the committed token lists of every row."""
+
+  num_draft: int
+
+  def start(self, sequences: list) -> None:
+    """Called once with each row's committed tokens (the prompts)."""
+
+  def propose(self, sequences: list, live: np.ndarray) -> tuple:
+    """Returns (tokens [B, γ] int32, num_proposed [B] int32) for the current sequences."""
+
+  def finish(self, sequences: list) -> None:
+    """Called once with the final sequences (e.g. to grow a cross-request cache)."""
+
+
+class HostProposing(StatelessDrafter):
+  """A drafter whose proposals come from a `HostDrafter` (the device side proposes none).
+
+  `host_drafter_factory(private)` returns a callable making one fresh host drafter per
+  generation. State shared across generations (e.g. a cross-request cache) is the
+  process-wide one, or with `private=True` one owned by that factory alone.
+  """
+
+  def host_drafter_factory(self, private: bool = False) -> Callable[[], HostDrafter]:
+    raise NotImplementedError
+
+  def propose(self, params, state, target, ctx, key):
+    return empty_proposal(ctx.tokens_BL.shape[0], self.num_draft)
+
+
+def host_drafter_factory(drafter, private: bool = False) -> Optional[Callable[[], HostDrafter]]:
+  """`drafter.host_drafter_factory(private)`, or None for drafters proposing on device."""
+  return drafter.host_drafter_factory(private) if isinstance(drafter, HostProposing) else None
 
 
 def check_width_and_vocab(kind: str, drafter_target_cfg, target_cfg) -> None:
@@ -49,22 +136,59 @@ def check_width_and_vocab(kind: str, drafter_target_cfg, target_cfg) -> None:
                      f'the target vocab {target_cfg.vocab_size}')
 
 
+def check_num_draft(kind: str, num_draft: int, low: int = 1,
+                    high: Optional[int] = None) -> None:
+  """ValueError naming `drafters.<kind>.num_draft` when it is outside [low, high]."""
+  if num_draft < low or (high is not None and num_draft > high):
+    bound = f'>= {low}' if high is None else f'in [{low}, {high}]'
+    raise ValueError(f'drafters.{kind}.num_draft must be {bound}, got {num_draft}')
+
+
 @dataclasses.dataclass(frozen=True)
-class NoDrafter:
+class NoDrafter(StatelessDrafter):
   """Plain autoregressive decoding: the speculative loop with γ = 0."""
 
   num_draft: int = 0
-  taps: Tuple[int, ...] = ()
-
-  def init(self, params, target, ctx, prefill_out):
-    return ()
 
   def propose(self, params, state, target, ctx, key):
-    b = ctx.tokens_BL.shape[0]
-    return Proposal(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32))
+    return empty_proposal(ctx.tokens_BL.shape[0], 0)
+
+  def with_num_draft(self, num_draft: int):
+    if num_draft:
+      raise ValueError('the none drafter proposes nothing (num_draft 0)')
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedDrafter:
+  """`inner` (its state, update and taps) proposing at most `num_draft` of its tokens: a
+  controller tier for drafters whose state depends on their own draft length."""
+
+  inner: Any
+  num_draft: int
+
+  @property
+  def taps(self) -> Tuple[int, ...]:
+    return self.inner.taps
+
+  def init(self, params, target, ctx, prefill_out):
+    return self.inner.init(params, target, ctx, prefill_out)
+
+  def propose(self, params, state, target, ctx, key):
+    g = self.num_draft
+    if g == 0:
+      return empty_proposal(ctx.tokens_BL.shape[0], 0)
+    p = self.inner.propose(params, state, target, ctx, key)
+    return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
+                    None if p.q_BGV is None else p.q_BGV[:, :g])
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return state
+    return self.inner.update(params, state, target, ctx, verify_out, start_B,
+                             num_accepted_B)
 
-  def check_target(self, target_cfg):
-    return None
+  def check_target(self, target_cfg) -> None:
+    return self.inner.check_target(target_cfg)
+
+  def with_num_draft(self, num_draft: int):
+    return dataclasses.replace(self, num_draft=num_draft)
+

@@ -1,9 +1,20 @@
 """The speculative decoding engine: prefill, then draft → verify → accept → commit steps.
 
 One jitted step serves every drafter (see `drafter.py`); plain AR decoding is the same
-loop with `NoDrafter` (γ = 0), so speedups compare like with like. `generate` runs the step
-inside `lax.while_loop` entirely on device; `step` runs it once (for host-side loops and
-drafters that propose on the host, which pass their `Proposal` in).
+loop with `NoDrafter` (γ = 0), so speedups compare like with like.
+
+Schedule (as z-lab's `dflash_generate` and the serving engines): the prefill runs the
+target over the whole prompt and commits the first token from its last logits (TTFT).
+Every step then verifies [anchor, d_1..d_γ] in one target forward, where the anchor is the
+last committed token (not yet in the target cache) and the drafts are what the drafter
+proposed from the committed context. Near the end of the budget a row verifies at most
+`remaining - 1` drafts, so nothing past `max_new_tokens` counts as proposed or accepted.
+
+One step driver: `run_fn` runs steps inside one `lax.while_loop` until every row is done,
+`max_steps` steps ran, or (`until_row_done`) some live row finished. `generate`, the
+verify-length controller's chunks and continuous batching all call `run`; the host loop
+calls `step` with a host-made proposal. Compiled programs are cached per engine as closures
+(the engine's hash is computed once), so a call costs no static-argument hashing.
 """
 
 from __future__ import annotations
@@ -17,26 +28,42 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.decoding import drafter as drafter_lib
-from dspec.decoding.sampling import SamplingSpec, processed_probs
-from dspec.decoding.state import DecodeState, DecodeStats, DraftContext, Proposal
+from dspec.decoding.sampling import SamplingSpec, processed_probs, sample_from_probs
+from dspec.decoding.state import (DecodeState, DecodeStats, DecodeTrace, DraftContext,
+                                  Proposal)
 from dspec.decoding.verification import greedy_verify, rejection_verify
+
+NO_STEP_LIMIT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeEngine:
-  """Static description of a decoding program (hashable; a jit cache key).
+  """Static description of a decoding program (hashable; keys the compiled programs).
 
   target_graphdef: `nnx.split(target)[0]`; params are passed to every call separately.
+  trace: record row 0's proposals per step (`DecodeState.trace`).
   """
 
   target_graphdef: Any
   drafter: Any = drafter_lib.NoDrafter()
   sampling: SamplingSpec = SamplingSpec()
   stop_ids: Tuple[int, ...] = ()
+  trace: bool = False
+
+  def __hash__(self):
+    cached = self.__dict__.get('_hash')
+    if cached is None:
+      cached = hash((self.target_graphdef, self.drafter, self.sampling, self.stop_ids,
+                     self.trace))
+      object.__setattr__(self, '_hash', cached)
+    return cached
 
   @property
   def num_draft(self) -> int:
     return self.drafter.num_draft
+
+  def with_drafter(self, drafter) -> 'SpeculativeEngine':
+    return dataclasses.replace(self, drafter=drafter)
 
   def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
     """Cache/token-buffer length a generation needs (verify writes γ past the anchor)."""
@@ -48,24 +75,39 @@ class SpeculativeEngine:
     return DraftContext(state.tokens_BL, state.num_tokens_B, self.sampling,
                         state.temperature, state.top_p)
 
+  def _pick(self, logits_BV, key, temperature, top_p):
+    """The token the target alone would emit from these logits."""
+    if self.sampling.greedy:
+      return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return sample_from_probs(key, processed_probs(logits_BV, self.sampling, temperature,
+                                                  top_p))
+
   def prefill_fn(self, target_params, drafter_params, prompt_BP, prompt_len_B,
                  temperature, top_p, max_new_tokens, seed, *, buffer_len: int) -> DecodeState:
-    """Writes the target cache for every prompt token but the last (which is the anchor)."""
+    """Runs the target over every prompt token and commits the first generated token."""
     target = nnx.merge(self.target_graphdef, target_params)
     b, p = prompt_BP.shape
+    rows = jnp.arange(b)
+    prompt_len_B = prompt_len_B.astype(jnp.int32)
     tokens_BL = jnp.zeros((b, buffer_len), jnp.int32).at[:, :p].set(prompt_BP)
-    cache = target.init_cache(b, buffer_len)
-    prefix_BT = prompt_BP[:, :max(p - 1, 1)]
-    out = target(prefix_BT, cache=cache, taps=self.drafter.taps, compute_logits=False)
-    cache = out.cache.with_lengths(prompt_len_B - 1)
+    out = target(prompt_BP, cache=target.init_cache(b, buffer_len), taps=self.drafter.taps)
+    key = jax.random.key(seed)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    first_B = self._pick(out.logits_BTV[rows, prompt_len_B - 1],
+                         jax.random.fold_in(key, NO_STEP_LIMIT), temperature, top_p)
+    tokens_BL = tokens_BL.at[rows, prompt_len_B].set(first_B)
+    max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
+    stopped_B = jnp.zeros((b,), bool)
+    for sid in self.stop_ids:
+      stopped_B |= first_B == sid
     state = DecodeState(
-        tokens_BL=tokens_BL, num_tokens_B=prompt_len_B.astype(jnp.int32),
-        prompt_len_B=prompt_len_B.astype(jnp.int32), done_B=jnp.zeros((b,), bool),
-        cache=cache, drafter_state=(), key=jax.random.key(seed),
-        step=jnp.zeros((), jnp.int32), temperature=jnp.asarray(temperature, jnp.float32),
-        top_p=jnp.asarray(top_p, jnp.float32),
-        max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-        stats=DecodeStats.zeros(b, self.num_draft))
+        tokens_BL=tokens_BL, num_tokens_B=prompt_len_B + 1, prompt_len_B=prompt_len_B,
+        done_B=stopped_B | (max_new_tokens <= 1), cache=out.cache.with_lengths(prompt_len_B),
+        drafter_state=(), key=key, step=jnp.zeros((), jnp.int32), temperature=temperature,
+        top_p=top_p, max_new_tokens=max_new_tokens,
+        stats=DecodeStats.zeros(b, self.num_draft, buffer_len),
+        trace=DecodeTrace.zeros(buffer_len, self.num_draft) if self.trace else None)
     dstate = self.drafter.init(drafter_params, target, self.context(state), out)
     return state.replace(drafter_state=dstate)
 
@@ -82,6 +124,8 @@ class SpeculativeEngine:
       proposal = self.drafter.propose(drafter_params, state.drafter_state, target, ctx,
                                       key_draft)
     g = proposal.tokens_BG.shape[1]
+    remaining_B = state.max_new_tokens - state.generated_B()
+    num_proposed_B = jnp.clip(jnp.minimum(proposal.num_proposed_B, remaining_B - 1), 0, g)
 
     # Verify [anchor, d1..dγ] at positions start..start+γ in one target forward.
     anchor_B = state.tokens_BL[rows, state.num_tokens_B - 1]
@@ -89,15 +133,14 @@ class SpeculativeEngine:
     verify_BG1 = jnp.concatenate([anchor_B[:, None], proposal.tokens_BG], axis=1)
     out = target(verify_BG1, cache=state.cache, taps=self.drafter.taps)
     if self.sampling.greedy:
-      n_B, emitted_BG1 = greedy_verify(proposal.tokens_BG, proposal.num_proposed_B,
-                                       out.logits_BTV)
+      n_B, emitted_BG1 = greedy_verify(proposal.tokens_BG, num_proposed_B, out.logits_BTV)
     else:
       p_BG1V = processed_probs(out.logits_BTV, self.sampling,
                                state.temperature, state.top_p)
-      n_B, emitted_BG1 = rejection_verify(key_verify, proposal.tokens_BG,
-                                          proposal.num_proposed_B, proposal.q_BGV, p_BG1V)
+      n_B, emitted_BG1 = rejection_verify(key_verify, proposal.tokens_BG, num_proposed_B,
+                                          proposal.q_BGV, p_BG1V)
 
-    # Commit: cut at the first stop token and at max_new_tokens; done rows write nothing.
+    # Commit: cut at the first stop token; done rows write nothing.
     live_B = ~state.done_B
     j = jnp.arange(g + 1)[None, :]
     is_stop = jnp.zeros_like(emitted_BG1, bool)
@@ -105,9 +148,7 @@ class SpeculativeEngine:
       is_stop |= emitted_BG1 == sid
     is_stop &= j <= n_B[:, None]
     first_stop_B = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), g + 1)
-    remaining_B = state.max_new_tokens - state.generated_B()
-    count_B = jnp.minimum(jnp.minimum(n_B + 1, first_stop_B + 1), remaining_B)
-    count_B = jnp.where(live_B, count_B, 0)
+    count_B = jnp.where(live_B, jnp.minimum(n_B + 1, first_stop_B + 1), 0)
     pos_BG1 = state.num_tokens_B[:, None] + j
     pos_BG1 = jnp.where(j < count_B[:, None], pos_BG1, state.tokens_BL.shape[1])
     tokens_BL = state.tokens_BL.at[rows[:, None], pos_BG1].set(emitted_BG1, mode='drop')
@@ -116,44 +157,79 @@ class SpeculativeEngine:
     done_B = state.done_B | stopped_B | (num_tokens_B - state.prompt_len_B
                                          >= state.max_new_tokens)
     cache = out.cache.with_lengths(jnp.where(live_B, start_B + n_B + 1, start_B))
+    accepted_B = jnp.minimum(n_B, count_B)  # a stop token cuts accepted drafts too
 
     live = live_B.astype(jnp.int32)
     s = state.stats
     stats = DecodeStats(
         steps_B=s.steps_B + live,
+        committed_B=s.committed_B + count_B,
         accept_hist_BG1=s.accept_hist_BG1 + live[:, None] * (
-            jnp.arange(s.accept_hist_BG1.shape[1])[None, :] == n_B[:, None]),
-        proposed_B=s.proposed_B + live * proposal.num_proposed_B,
-        accepted_B=s.accepted_B + live * n_B)
+            jnp.arange(s.accept_hist_BG1.shape[1])[None, :] == accepted_B[:, None]),
+        proposed_B=s.proposed_B + live * num_proposed_B,
+        accepted_B=s.accepted_B + live * accepted_B,
+        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'))
+    trace = state.trace
+    if trace is not None:
+      at = jnp.where(live_B[0], s.steps_B[0], trace.num_proposed_S.shape[0])
+      width = trace.drafts_SG.shape[1]
+      drafts_G = jnp.zeros((width,), jnp.int32).at[:g].set(proposal.tokens_BG[0, :width])
+      trace = DecodeTrace(trace.drafts_SG.at[at].set(drafts_G, mode='drop'),
+                          trace.num_proposed_S.at[at].set(num_proposed_B[0], mode='drop'),
+                          trace.num_accepted_S.at[at].set(accepted_B[0], mode='drop'))
     new_state = state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B,
-                              done_B=done_B, cache=cache, step=state.step + 1, stats=stats)
+                              done_B=done_B, cache=cache, step=state.step + 1, stats=stats,
+                              trace=trace)
     dstate = self.drafter.update(drafter_params, state.drafter_state, target,
                                  self.context(new_state), out, start_B, n_B)
     return new_state.replace(drafter_state=dstate)
 
-  def generate_fn(self, target_params, drafter_params, state: DecodeState) -> DecodeState:
-    """Runs steps until every row is done, inside one `lax.while_loop`."""
+  def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps,
+             *, until_row_done: bool = False) -> DecodeState:
+    """Steps until every row is done or `max_steps` steps ran; with `until_row_done` also
+    until some row that was live at the start has finished."""
+    stop = state.step + max_steps
+    done_at_start_B = state.done_B
+
+    def go_on(st):
+      more = (st.step < stop) & ~jnp.all(st.done_B)
+      if until_row_done:
+        more &= ~jnp.any(st.done_B & ~done_at_start_B)
+      return more
+
     return jax.lax.while_loop(
-        lambda st: ~jnp.all(st.done_B),
-        lambda st: self.step_fn(target_params, drafter_params, st),
-        state)
+        go_on, lambda st: self.step_fn(target_params, drafter_params, st), state)
 
   # ---------------------------------------------------------------- jitted entry points
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
               temperature=0.0, top_p=1.0, max_new_tokens, seed=0) -> DecodeState:
     buffer_len = self.buffer_len(prompt_BP.shape[1], max_new_tokens)
-    return _jit_prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B,
-                        temperature, top_p, max_new_tokens, seed, buffer_len=buffer_len)
+    return _programs(self)['prefill'](target_params, drafter_params, prompt_BP,
+                                      prompt_len_B, temperature, top_p, max_new_tokens,
+                                      seed, buffer_len=buffer_len)
 
-  def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
-    return _jit_step(self, target_params, drafter_params, state, proposal)
+  def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
+          until_row_done: bool = False) -> DecodeState:
+    """`run_fn` jitted (the state is donated); `max_steps` None: no step limit."""
+    limit = jnp.asarray(NO_STEP_LIMIT if max_steps is None else max_steps, jnp.int32)
+    name = 'run_until_row_done' if until_row_done else 'run'
+    return _programs(self)[name](target_params, drafter_params, state, limit)
 
   def generate(self, target_params, drafter_params, state) -> DecodeState:
-    return _jit_generate(self, target_params, drafter_params, state)
+    return self.run(target_params, drafter_params, state)
+
+  def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
+    return _programs(self)['step'](target_params, drafter_params, state, proposal)
 
 
-_jit_prefill = jax.jit(SpeculativeEngine.prefill_fn, static_argnums=0,
-                       static_argnames=('buffer_len',))
-_jit_step = jax.jit(SpeculativeEngine.step_fn, static_argnums=0, donate_argnums=3)
-_jit_generate = jax.jit(SpeculativeEngine.generate_fn, static_argnums=0, donate_argnums=3)
+@functools.lru_cache(maxsize=64)
+def _programs(engine: SpeculativeEngine) -> dict:
+  """The engine's jitted programs, built once per engine."""
+  return {
+      'prefill': jax.jit(engine.prefill_fn, static_argnames=('buffer_len',)),
+      'run': jax.jit(engine.run_fn, donate_argnums=2),
+      'run_until_row_done': jax.jit(
+          functools.partial(engine.run_fn, until_row_done=True), donate_argnums=2),
+      'step': jax.jit(engine.step_fn, donate_argnums=2),
+  }

@@ -1,206 +1,248 @@
-"""The decode job behind `scripts/decode.py`: build, validate, run, time, compare with AR."""
+"""Running a generation: sampling settings, engines, timing, metrics and the AR comparison.
+
+`decode` is what `dspec.generate` and the decode job (`run_decode`, behind
+`scripts/decode.py`) share: prompts in; texts, ids, metrics and an optional trace out.
+Timing follows DESIGN §9: a warm-up run compiles, `timing_repeats` timed runs follow and
+their medians count; AR runs in the same process on the same prompts.
+"""
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import math
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dspec import sharding
-from dspec.cli import UserError
+from dspec import datasets, loading, sharding
+from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
+from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
 from dspec.decoding.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.metrics import acceptance_metrics
-from dspec.models.config import TransformerConfig
-from dspec.models.transformer import Transformer
-from dspec.tokenizer import load_tokenizer
+
+INT32_MAX = 2**31 - 1
 
 
-def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
-  """(Transformer, tokenizer, max_seq_len) from the config's `model` section.
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What one generation call is asked for (validated on construction)."""
 
-  With a `placement`, params live on its mesh (random init: created already sharded).
-  """
-  source = model_cfg.source
-  if source == 'random':
-    cfg = TransformerConfig(**model_cfg.shape)
-    ctor = lambda: Transformer(cfg, rngs=nnx.Rngs(model_cfg.seed))
-    target = placement.for_model(cfg).create_module(ctor) if placement else ctor()
-    weights_dir = None
-  elif source == 'checkpoint':
-    from dspec import checkpoint
-    target, _ = checkpoint.load_target(model_cfg.path)
-    weights_dir = model_cfg.path
-  elif source == 'hf':
-    from dspec import hf_import
-    target, _ = hf_import.load_hf_model(model_cfg.path)
-    weights_dir = model_cfg.path
-  else:
-    raise UserError(f'unknown model.source {source!r}; use random, checkpoint or hf')
-  tok_dir = model_cfg.tokenizer_dir or weights_dir
-  if tok_dir and not os.path.exists(os.path.join(tok_dir, 'tokenizer.json')):
-    tok_dir = None if not model_cfg.tokenizer_dir else tok_dir
-  tokenizer = load_tokenizer(tok_dir, target.cfg.vocab_size)
-  if placement and source != 'random':
-    sharding.place_module(target, placement.for_model(target.cfg))
-  return target, tokenizer, model_cfg.max_seq_len
+  max_new_tokens: int = 64
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  timing_repeats: int = 0       # 0: one run, timed as it comes (compilation included)
 
+  def __post_init__(self):
+    for name in ('temperature', 'top_p'):
+      if not math.isfinite(getattr(self, name)):
+        raise ValueError(f'{name} must be a finite number, got {getattr(self, name)}')
+    if not 1 <= self.max_new_tokens <= INT32_MAX // 2:
+      raise ValueError(f'max_new_tokens must be in [1, {INT32_MAX // 2}], '
+                       f'got {self.max_new_tokens}')
+    if not 0 <= self.seed <= INT32_MAX:
+      raise ValueError(f'seed must be in [0, 2**31 - 1], got {self.seed}')
+    if self.timing_repeats < 0:
+      raise ValueError(f'timing_repeats must be >= 0, got {self.timing_repeats}')
+    self.sampling()
 
-def validate_sampling(cfg) -> SamplingSpec:
-  spec = SamplingSpec.create(cfg.temperature, cfg.top_k, cfg.top_p)
-  if cfg.max_new_tokens < 1:
-    raise UserError(f'max_new_tokens must be >= 1, got {cfg.max_new_tokens}')
-  if cfg.batch_size < 1:
-    raise UserError(f'batch_size must be >= 1, got {cfg.batch_size}')
-  if cfg.verify not in ('auto', 'greedy', 'rejection'):
-    raise UserError(f'verify must be auto, greedy or rejection, got {cfg.verify!r}')
-  if cfg.verify == 'greedy' and not spec.greedy:
-    raise UserError('verify=greedy needs temperature=0 (sampling needs rejection)')
-  if cfg.verify == 'rejection' and spec.greedy:
-    raise UserError('verify=rejection needs temperature > 0')
-  return spec
+  @classmethod
+  def from_config(cls, cfg) -> 'Settings':
+    return cls(int(cfg.max_new_tokens), float(cfg.temperature), int(cfg.top_k),
+               float(cfg.top_p), int(cfg.seed), int(cfg.timing_repeats))
+
+  def sampling(self) -> SamplingSpec:
+    return SamplingSpec.create(self.temperature, self.top_k, self.top_p)
 
 
-def encode_prompts(prompts: Sequence, tokenizer, vocab_size: int, batch_size: int,
-                   max_total: int, max_new_tokens: int):
-  """Token-id prompts (texts are encoded) padded to `[batch, P]`, plus their lengths."""
-  ids = []
-  for p in prompts:
-    row = tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-    if not row:
-      raise UserError('empty prompt: give --prompt text or --prompt_ids')
-    bad = [t for t in row if not 0 <= t < vocab_size]
-    if bad:
-      raise UserError(f'prompt token ids {bad[:5]} out of range for vocab size {vocab_size}')
-    if len(row) + max_new_tokens > max_total:
-      raise UserError(f'prompt of {len(row)} tokens + max_new_tokens={max_new_tokens} '
-                      f'exceeds the model context of {max_total} tokens')
-    ids.append(row)
-  if not ids:
-    raise UserError('no prompt given')
-  ids = [ids[i % len(ids)] for i in range(batch_size)]
-  width = max(len(r) for r in ids)
-  prompt_BP = np.zeros((batch_size, width), np.int32)
-  for i, r in enumerate(ids):
-    prompt_BP[i, :len(r)] = r
-  return prompt_BP, np.array([len(r) for r in ids], np.int32)
+@dataclasses.dataclass
+class Target:
+  """A target model ready to decode: the module, its tokenizer and context length."""
+
+  model: Any
+  tokenizer: Any
+  max_seq_len: int = 4096
+  _split: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False)
+
+  def split(self):
+    """(graphdef, params) of the model, split once."""
+    if self._split is None:
+      self._split = nnx.split(self.model)
+    return self._split
 
 
-def generated_ids(state) -> list:
-  """Generated token ids of each row (prompt excluded)."""
-  tokens = np.asarray(state.tokens_BL)
-  lens, nums = np.asarray(state.prompt_len_B), np.asarray(state.num_tokens_B)
-  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(tokens.shape[0])]
-
-
-def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B, cfg,
-                   host_drafter=None):
+def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
+                   settings: Settings, host_factory: Optional[Callable] = None):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds)."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
-                         temperature=cfg.temperature, top_p=cfg.top_p,
-                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+                         temperature=settings.temperature, top_p=settings.top_p,
+                         max_new_tokens=settings.max_new_tokens, seed=settings.seed)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  if host_drafter is None:
+  if host_factory is None:
     state = engine.generate(target_params, drafter_params, state)
   else:
-    state = generate_host_loop(engine, target_params, drafter_params, state, host_drafter)
+    state = generate_host_loop(engine, target_params, drafter_params, state, host_factory())
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 
 
-def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B, cfg,
-                     host_drafter_factory=None) -> dict:
-  """Warm-up (compile) run, then `timing_repeats` runs; medians reported."""
-  make = host_drafter_factory or (lambda: None)
+def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
+                     settings: Settings, host_factory: Optional[Callable] = None) -> dict:
+  """A warm-up (compile) run, then `timing_repeats` runs whose medians are reported; with
+  `timing_repeats` 0 the single run is the result (its time includes compilation)."""
+  runs = []
   t = time.perf_counter()
-  state, _, _ = run_generation(engine, target_params, drafter_params, prompt_BP,
-                               prompt_len_B, cfg, make())
-  warmup_s = time.perf_counter() - t
-  prefill, decode = [], []
-  for _ in range(max(1, cfg.timing_repeats)):
-    state, p, d = run_generation(engine, target_params, drafter_params, prompt_BP,
-                                 prompt_len_B, cfg, make())
-    prefill.append(p)
-    decode.append(d)
-  decode_s = statistics.median(decode)
-  prefill_s = statistics.median(prefill)
+  for _ in range(1 + settings.timing_repeats):
+    runs.append(run_generation(engine, target_params, drafter_params, prompt_BP,
+                               prompt_len_B, settings, host_factory))
+  first_s = time.perf_counter() - t if not settings.timing_repeats else \
+      runs[0][1] + runs[0][2]
+  timed = runs[1:] or runs
+  state = timed[-1][0]
+  prefill_s = statistics.median(r[1] for r in timed)
+  decode_s = statistics.median(r[2] for r in timed)
   new_tokens = int(np.sum(np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)))
   return {'state': state, 'decode_s': decode_s, 'prefill_s': prefill_s,
-          'compile_s': max(0.0, warmup_s - decode_s - prefill_s),
-          'new_tokens': new_tokens, 'tokens_per_s': new_tokens / decode_s}
+          'compile_s': max(0.0, first_s - decode_s - prefill_s) if settings.timing_repeats
+          else 0.0,
+          'new_tokens': new_tokens, 'tokens_per_s': new_tokens / max(decode_s, 1e-9)}
 
 
-def configured_prompt(cfg) -> str:
-  """The config's prompt: `prompt_set[prompt_index]` when a prompt set is named, else
-  `prompt`."""
+def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
+  """Row 0's per-step trace of an engine built with `trace=True`: the drafted tokens,
+  how many were accepted, the tokens committed (and the controller's tier)."""
+  trace, stats, tokens, prompt_len = jax.device_get(
+      (state.trace, state.stats, state.tokens_BL[0], state.prompt_len_B[0]))
+  pos = int(prompt_len) + 1   # after the prefill's token
+  steps = []
+  for s in range(int(stats.steps_B[0])):
+    num, count = int(trace.num_proposed_S[s]), int(stats.row0_committed_S[s])
+    entry = {'step': s, 'proposed': trace.drafts_SG[s, :num].tolist(),
+             'accepted': int(trace.num_accepted_S[s]),
+             'committed': tokens[pos:pos + count].tolist()}
+    if tiers is not None and s < len(tiers):
+      entry['tier'] = int(tiers[s])
+    steps.append(entry)
+    pos += count
+  return {'first_token': int(tokens[int(prompt_len)]), 'steps': steps}
+
+
+def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None, *,
+           settings: Settings = Settings(), batch_size: int = 0, compare_ar: bool = False,
+           trace: bool = False, placement: Optional[sharding.Placement] = None,
+           progress: Callable[[str], None] = lambda message: None) -> dict:
+  """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
+
+  batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
+  `compare_ar`, AR runs first on the same prompts and the report gets `speedup` (AR decode
+  time / this decode time) and `lossless` (greedy: outputs equal AR's).
+  Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
+  """
+  drafter = drafter or drafter_lib.NoDrafter()
+  spec = settings.sampling()
+  rows = encode_prompts(prompts, target.tokenizer, target.model.cfg.vocab_size,
+                        target.max_seq_len, settings.max_new_tokens)
+  if batch_size and batch_size < len(rows):
+    raise ValueError(f'{len(rows)} prompts do not fit batch_size={batch_size}')
+  prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows))
+  graphdef, target_params = target.split()
+  stop_ids = tuple(target.tokenizer.stop_ids)
+  wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
+  if placement:
+    drafter_params = placement.put_params(drafter_params)
+
+  ar = None
+  if compare_ar:
+    progress('AR baseline')
+    ar_engine = wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids))
+    ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B, settings)
+  progress('decoding' if not settings.timing_repeats else
+           f'decoding (warm-up + {settings.timing_repeats} timed runs)')
+  engine = wrap(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
+                                  stop_ids=stop_ids, trace=trace))
+  run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
+                         settings, drafter_lib.host_drafter_factory(drafter))
+  state = run['state']
+  ids = generated_ids(state)[:len(rows)]
+  metrics = acceptance_metrics(state.stats)
+  metrics.update(
+      method=registry.name_of(drafter), temperature=settings.temperature,
+      batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
+      new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
+      decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'])
+  if ar is not None:
+    ar_ids = generated_ids(ar['state'])[:len(rows)]
+    metrics.update(ar_tokens_per_s=ar['tokens_per_s'], ar_decode_s=ar['decode_s'],
+                   speedup=ar['decode_s'] / run['decode_s'],
+                   lossless=(ar_ids == ids) if spec.greedy else None)
+  else:
+    metrics.update(ar_tokens_per_s=None, speedup=None, lossless=None)
+  per_prompt = [acceptance_metrics(state.stats, rows=[i]) for i in range(len(rows))]
+  for m in per_prompt:
+    m.pop('acceptance_lengths', None)
+  return {
+      'texts': [target.tokenizer.decode(r) for r in ids], 'ids': ids, 'metrics': metrics,
+      'per_prompt': per_prompt,
+      'trace': trace_of(state) if trace else None,
+  }
+
+
+def configured_prompts(cfg, prompts: Optional[Sequence] = None) -> list:
+  """The prompts a decode config asks for: `prompts` when given, else
+  `prompt_set[prompt_index]` when a prompt set is named, else `prompt`."""
+  if prompts:
+    return list(prompts)
   if not cfg.prompt_set:
-    return cfg.prompt
-  from dspec.training.corpus import load_prompts
-  return load_prompts(cfg.prompt_set, cfg.data_dir)[cfg.prompt_index]
+    return [cfg.prompt]
+  pool = datasets.load_prompts(cfg.prompt_set, cfg.data_dir)
+  if not 0 <= cfg.prompt_index < len(pool):
+    raise ValueError(f'prompt_index={cfg.prompt_index} is out of range for prompt set '
+                     f'{cfg.prompt_set!r} ({len(pool)} prompts: 0..{len(pool) - 1})')
+  return [pool[cfg.prompt_index]]
 
 
-def run_decode(cfg, prompts: Optional[Sequence] = None) -> dict:
-  """Runs the configured drafter (and AR when compared or needed); returns the report.
+def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
+               progress: Callable[[str], None] = lambda message: None) -> dict:
+  """The decode job of a config: builds the target and drafter, decodes, compares with AR.
 
   With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
   programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
   """
-  spec = validate_sampling(cfg)
+  settings = Settings.from_config(cfg)
+  if cfg.batch_size < 1:
+    raise ValueError(f'batch_size must be >= 1, got {cfg.batch_size}')
+  prompts = configured_prompts(cfg, prompts)
+  if len(prompts) > cfg.batch_size:
+    raise ValueError(f'{len(prompts)} prompts given but batch_size={cfg.batch_size}: '
+                     f'raise --config.batch_size or give fewer prompts')
   placement = sharding.placement_from_config(cfg)
-  target, tokenizer, max_seq_len = build_target(cfg.model, placement)
-  placement = placement and placement.for_model(target.cfg)
-  on_mesh = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
-  prompts = prompts or [configured_prompt(cfg)]
-  prompt_BP, prompt_len_B = encode_prompts(prompts, tokenizer, target.cfg.vocab_size,
-                                           cfg.batch_size, max_seq_len, cfg.max_new_tokens)
-  graphdef, target_params = nnx.split(target)
-  stop_ids = tuple(tokenizer.stop_ids)
-  ar_engine = on_mesh(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids))
-
-  ar = None
-  if cfg.compare_ar or cfg.drafter == 'oracle':
-    ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B, cfg)
-  drafter, drafter_params = registry.build_drafter(
-      cfg, target, None if ar is None else ar['state'].tokens_BL)
-  host_factory = getattr(drafter, 'host_drafter_factory', None)
-  if placement:
-    drafter_params = placement.put_params(drafter_params)
-  engine = on_mesh(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
-                                     stop_ids=stop_ids))
-  spec_run = timed_generation(engine, target_params, drafter_params, prompt_BP,
-                              prompt_len_B, cfg, host_factory)
-
-  outputs = generated_ids(spec_run['state'])
-  report = {
-      'method': cfg.drafter if cfg.drafter != 'none' else 'ar',
-      'temperature': float(cfg.temperature),
-      'batch_size': int(cfg.batch_size),
-      'draft_len': int(drafter.num_draft),
-      'new_tokens': spec_run['new_tokens'],
-      'tokens_per_s': spec_run['tokens_per_s'],
-      'decode_s': spec_run['decode_s'],
-      'prefill_s': spec_run['prefill_s'],
-      'compile_s': spec_run['compile_s'],
-      'output_ids': outputs[0],
-      'text': tokenizer.decode(outputs[0]),
-  }
-  report.update(acceptance_metrics(spec_run['state'].stats))
-  if ar is not None:
-    ar_outputs = generated_ids(ar['state'])
-    report['ar_tokens_per_s'] = ar['tokens_per_s']
-    report['ar_decode_s'] = ar['decode_s']
-    report['speedup'] = ar['decode_s'] / spec_run['decode_s']
-    report['lossless'] = (ar_outputs == outputs) if spec.greedy else None
-  else:
-    report.update(ar_tokens_per_s=None, speedup=None, lossless=None)
+  progress('loading the target')
+  model, tokenizer, max_seq_len = loading.build_target(cfg.model, placement)
+  placement = placement and placement.for_model(model.cfg)
+  target = Target(model, tokenizer, max_seq_len)
+  progress(f'building the {cfg.drafter} drafter')
+  drafter, drafter_params = registry.build_drafter(cfg, model)
+  out = decode(target, prompts, drafter, drafter_params, settings=settings,
+               batch_size=cfg.batch_size, compare_ar=cfg.compare_ar, trace=trace,
+               placement=placement, progress=progress)
+  report = dict(out['metrics'])
+  report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
+                output_ids=out['ids'][0], text=out['texts'][0])
+  if trace:
+    report['trace'] = out['trace']
   return report
+
+
+def _prompt_row(prompt, tokenizer) -> list:
+  return tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -1,7 +1,9 @@
 """A SpeculativeEngine run on a device mesh: the same jitted programs, with in/out shardings.
 
-`ShardedEngine(engine, placement)` has the engine's `prefill / step / generate` signatures
-(so `runner`, `host_loop` and the controller use it unchanged). Params keep the sharding
+`ShardedEngine(engine, placement)` has the engine's `prefill / run / generate / step`
+signatures (so `runner`, `host_loop` and the controller use it unchanged) and runs the
+engine's own step driver (`run_fn`); unlike the engine it keys its compiled programs by the
+state's shapes, since their in/out shardings follow from them. Params keep the sharding
 they were placed with (`Placement.put_params` / `create_module`); the decode state (target
 cache, tokens, drafter state, stats) is sharded by its shape-suffix names: batch over the
 `batch` mesh axes, KV heads over `tensor`. Calls run under `jax.set_mesh`, so Pallas
@@ -13,9 +15,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
-from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine
 from dspec.sharding import Placement
 
 
@@ -81,18 +84,26 @@ class ShardedEngine:
     with self.placement.context():
       return fn(target_params, drafter_params, state, proposal)
 
-  def generate(self, target_params, drafter_params, state):
+  def run(self, target_params, drafter_params, state, max_steps=None, *,
+          until_row_done: bool = False):
     def build():
       state_sh = self._state_sh(state)
-      return jax.jit(self.engine.generate_fn, donate_argnums=2, in_shardings=(
-          _shardings_of(target_params), _shardings_of(drafter_params), state_sh),
+      rep = self.placement.shardings(jax.sharding.PartitionSpec())
+      fn = functools.partial(self.engine.run_fn, until_row_done=until_row_done)
+      return jax.jit(fn, donate_argnums=2, in_shardings=(
+          _shardings_of(target_params), _shardings_of(drafter_params), state_sh, rep),
           out_shardings=state_sh)
 
-    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)))
-    fn = self._jitted('generate', key, build)
+    key = (until_row_done, jax.tree.structure(state),
+           tuple(x.shape for x in jax.tree.leaves(state)))
+    fn = self._jitted('run', key, build)
+    limit = jnp.asarray(NO_STEP_LIMIT if max_steps is None else max_steps, jnp.int32)
     with self.placement.context():
-      state = fn(target_params, drafter_params, state)
+      state = fn(target_params, drafter_params, state, limit)
     return gather_outputs(state) if jax.process_count() > 1 else state
+
+  def generate(self, target_params, drafter_params, state):
+    return self.run(target_params, drafter_params, state)
 
 
 def gather_outputs(state):

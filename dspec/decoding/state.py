@@ -13,8 +13,9 @@ from dspec.models.kv_cache import KVCache
 class DraftContext(NamedTuple):
   """Read-only view of the committed sequence handed to drafters.
 
-  tokens_BL: prompt + generated tokens; num_tokens_B: how many are committed. The last
-  committed token is the anchor; the target cache holds positions < num_tokens_B - 1.
+  tokens_BL: prompt + generated tokens; num_tokens_B: how many are committed (the prefill
+  already committed the first generated token). The last committed token is the anchor;
+  the target cache holds positions < num_tokens_B - 1.
   """
 
   tokens_BL: jnp.ndarray
@@ -37,17 +38,40 @@ class Proposal(NamedTuple):
 
 @struct.dataclass
 class DecodeStats:
-  """Per-row counters from which every DESIGN §9 metric is derived."""
+  """Per-row counters from which every DESIGN §9 metric is derived.
+
+  Verify steps count only while a row is live. `committed_B` counts the tokens verify
+  steps committed (after the cut at a stop token or the budget; the token the prefill
+  emits is not a verify step's), so τ = committed / steps is exactly what was produced.
+  `row0_committed_S` is row 0's committed count at each verify step (acceptance lengths).
+  """
 
   steps_B: jnp.ndarray              # verify steps taken while the row was live
+  committed_B: jnp.ndarray          # tokens committed by those steps
   accept_hist_BG1: jnp.ndarray      # histogram of accepted drafts per step (0..γ)
   proposed_B: jnp.ndarray           # draft tokens proposed (excludes empty slots)
   accepted_B: jnp.ndarray           # draft tokens accepted
+  row0_committed_S: jnp.ndarray     # row 0: tokens committed at verify step s
 
   @classmethod
-  def zeros(cls, batch: int, gamma: int) -> 'DecodeStats':
+  def zeros(cls, batch: int, gamma: int, max_steps: int) -> 'DecodeStats':
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, jnp.zeros((batch, gamma + 1), jnp.int32), z, z)
+    return cls(z, z, jnp.zeros((batch, gamma + 1), jnp.int32), z, z,
+               jnp.zeros((max_steps,), jnp.int32))
+
+
+@struct.dataclass
+class DecodeTrace:
+  """Row 0's proposals per verify step (engines built with `trace=True`)."""
+
+  drafts_SG: jnp.ndarray            # the drafted tokens (slots >= num_proposed unused)
+  num_proposed_S: jnp.ndarray
+  num_accepted_S: jnp.ndarray
+
+  @classmethod
+  def zeros(cls, max_steps: int, gamma: int) -> 'DecodeTrace':
+    z = jnp.zeros((max_steps,), jnp.int32)
+    return cls(jnp.zeros((max_steps, gamma), jnp.int32), z, z)
 
 
 @struct.dataclass
@@ -66,6 +90,7 @@ class DecodeState:
   top_p: jnp.ndarray
   max_new_tokens: jnp.ndarray   # scalar
   stats: DecodeStats
+  trace: Optional[DecodeTrace] = None
 
   def generated_B(self):
     return self.num_tokens_B - self.prompt_len_B

@@ -1,4 +1,5 @@
-"""DFlash and BD3-LM drafter objectives on self-distilled data (training.task = dflash | bd3lm).
+"""DFlash, DFlash-2 and BD3-LM drafter objectives on self-distilled data
+(training.task = dflash | dflash2 | bd3lm).
 
 DFlash (`reference/dflash.md` §3–4): N random anchors per sequence among positions a with
 tokens a and a+1 both target-written (`anchor_supervised`, the reference rule) or only
@@ -8,6 +9,12 @@ slot k predicts the token at a+k (same-position labels, k = 1..B−1, slot 0 has
 block queries see fused target features strictly before a and their own block, never
 other blocks; CE weighted by exp(−(k−1)/γ) × (in bounds) × loss_mask, normalised by the
 sum of those weights.
+
+DFlash-2 (`reference/dflash.md` §7; speculators PR #1006): the DFlash loss on the
+unary logits plus α × a K-way CE of the candidate selector: the candidates of slot k are
+the unary top-K (indices without gradient, their logits with it), the gold token replaces
+the K-th candidate when it is missing, the predecessor is teacher-forced (the token at
+a+k−1, the anchor for k = 1), and the CE gets the same per-slot weights.
 
 BD3-LM (`reference/mtp_eagle_bd3lm.md` §5) with KV injection kept: fixed blocks of B; one
 noise level t per block (antithetic, rescaled into [eps_min, eps_max]); each token masked
@@ -31,9 +38,9 @@ import numpy as np
 from flax import nnx
 
 from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashDrafter, save_dflash
+from dspec.models.dflash2 import DFlash2Config, DFlash2Drafter
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
-from pallas_kernels.block_attention import DFlashTrainMask
 
 # Loss decay γ of the reference per block size (SpecForge `--loss-decay-gamma`).
 DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -76,6 +83,8 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
   """Per-slot terms [B, N, B−1] of slots 1..B−1: ce, hit (argmax == label), weight.
 
   weight = exp(−(k−1)/γ) · valid, valid = block valid & a+k in bounds & loss_mask[a+k].
+  A DFlash-2 drafter adds the selector's sel_ce, sel_hit (its teacher-forced argmax is
+  the gold token, which the unary top-K holds) and recall (the top-K holds the gold).
   """
   cfg = drafter.cfg
   big_b = cfg.block_size
@@ -86,13 +95,15 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
   anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
   block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
 
-  context_BSD = drafter.fuse(taps_BSND)
+  context_BSD = drafter.fuse(taps_BSND, target)
   ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
   ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
-  mask = DFlashTrainMask(block_size=big_b, context_len=s, window=cfg.sliding_window)
   hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
-                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, mask, anchors_BN)
-  logits_BNKV = drafter.draft_logits(target, hidden_BQD).reshape(b, n, big_b, -1)[:, :, 1:]
+                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
+                       anchors_BN, block_size=big_b)
+  hidden_BNKD = hidden_BQD.reshape(b, n, big_b, -1)[:, :, 1:]
+  logits_BNKV = drafter.draft_logits(
+      target, hidden_BNKD.reshape(b, n * (big_b - 1), -1)).reshape(b, n, big_b - 1, -1)
 
   label_pos_BNK = pos_BNK[:, :, 1:]
   safe_pos = jnp.clip(label_pos_BNK, 0, s - 1).reshape(b, -1)
@@ -103,46 +114,98 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
   decay_K = jnp.exp(-jnp.arange(big_b - 1, dtype=jnp.float32) / gamma)
   label_idx_BNK = drafter.draft_index(labels_BNK)   # −1: outside the draft vocabulary
   in_vocab_BNK = label_idx_BNK >= 0
-  return {
+  terms = {
       'ce': token_cross_entropy(logits_BNKV, jnp.maximum(label_idx_BNK, 0)),
       'hit': jnp.argmax(logits_BNKV, axis=-1) == label_idx_BNK,
       'valid': valid_BNK,
       'weight': decay_K * (valid_BNK & in_vocab_BNK).astype(jnp.float32),
       'block_valid': anchors_BN >= 0,
   }
+  if isinstance(drafter, DFlash2Drafter):
+    prev_pos = jnp.clip(pos_BNK[:, :, :-1], 0, s - 1).reshape(b, -1)
+    prev_BNK = jnp.take_along_axis(tokens_BS, prev_pos, axis=1).reshape(labels_BNK.shape)
+    terms.update(selector_terms(drafter, hidden_BNKD, logits_BNKV, labels_BNK, prev_BNK))
+  return terms
+
+
+def selector_terms(drafter: DFlash2Drafter, hidden_BNKD, logits_BNKV, labels_BNK,
+                   prev_BNK) -> dict:
+  """DFlash-2 selector terms [B, N, B−1]: K-way CE over the unary top-K with the gold
+  injected as the K-th candidate when missing; teacher-forced predecessors."""
+  k = drafter.cfg.selector_top_k
+  _, cand_BNKk = jax.lax.top_k(jax.lax.stop_gradient(logits_BNKV), k)
+  match = cand_BNKk == labels_BNK[..., None]
+  recall_BNK = jnp.any(match, axis=-1)
+  gold_BNK = jnp.where(recall_BNK, jnp.argmax(match, axis=-1), k - 1)
+  cand_BNKk = cand_BNKk.at[..., k - 1].set(
+      jnp.where(recall_BNK, cand_BNKk[..., k - 1], labels_BNK))
+  unary_BNKk = jnp.take_along_axis(logits_BNKV, cand_BNKk, axis=-1)
+  b, n, g = labels_BNK.shape
+  scores = drafter.candidate_selector.scores(
+      unary_BNKk.reshape(b, n * g, k), hidden_BNKD.reshape(b, n * g, -1),
+      prev_BNK.reshape(b, n * g), cand_BNKk.reshape(b, n * g, k)).reshape(b, n, g, k)
+  return {
+      'sel_ce': token_cross_entropy(scores, gold_BNK),
+      'sel_hit': (jnp.argmax(scores, axis=-1) == gold_BNK) & recall_BNK,
+      'recall': recall_BNK,
+  }
+
+
+def _run_sum(hit_BNK, block_valid_BN):
+  run_BN = jnp.sum(jnp.cumprod(hit_BNK.astype(jnp.int32), axis=-1), axis=-1)
+  return jnp.sum(jnp.where(block_valid_BN, run_BN, 0))
 
 
 def dflash_sums(terms: dict) -> dict:
-  """Sums from which loss, slot-1 accuracy and the greedy τ estimate are ratios."""
-  run_BN = jnp.sum(jnp.cumprod((terms['hit'] & terms['valid']).astype(jnp.int32), axis=-1),
-                   axis=-1)
-  return {
+  """Sums from which loss, slot-1 accuracy and the greedy τ estimate are ratios (and the
+  selector's loss, τ estimate and top-K recall for DFlash-2)."""
+  valid = terms['valid']
+  sums = {
       'weighted_ce': jnp.sum(terms['ce'] * terms['weight']),
       'weight': jnp.sum(terms['weight']),
-      'hit1': jnp.sum(terms['hit'][..., 0] & terms['valid'][..., 0]),
-      'valid1': jnp.sum(terms['valid'][..., 0]),
-      'run': jnp.sum(jnp.where(terms['block_valid'], run_BN, 0)),
+      'hit1': jnp.sum(terms['hit'][..., 0] & valid[..., 0]),
+      'valid1': jnp.sum(valid[..., 0]),
+      'run': _run_sum(terms['hit'] & valid, terms['block_valid']),
       'blocks': jnp.sum(terms['block_valid']),
   }
+  if 'sel_ce' in terms:
+    sums.update(sel_weighted_ce=jnp.sum(terms['sel_ce'] * terms['weight']),
+                sel_run=_run_sum(terms['sel_hit'] & valid, terms['block_valid']),
+                recall=jnp.sum(terms['recall'] & valid), valid=jnp.sum(valid))
+  return sums
 
 
 def dflash_metrics(sums: dict) -> dict:
-  """loss, acc1 (slot-1 top-1) and tau_est (1 + mean leading run of correct slots)."""
-  return {
-      'loss': sums['weighted_ce'] / jnp.maximum(sums['weight'], 1e-6),
+  """loss, acc1 (slot-1 top-1) and tau_est (1 + mean leading run of correct slots); for
+  DFlash-2 also sel_loss, sel_tau_est (the teacher-forced greedy walk's run) and
+  recall (gold in the unary top-K)."""
+  weight = jnp.maximum(sums['weight'], 1e-6)
+  blocks = jnp.maximum(sums['blocks'], 1)
+  m = {
+      'loss': sums['weighted_ce'] / weight,
       'acc1': sums['hit1'] / jnp.maximum(sums['valid1'], 1),
-      'tau_est': 1.0 + sums['run'] / jnp.maximum(sums['blocks'], 1),
+      'tau_est': 1.0 + sums['run'] / blocks,
   }
+  if 'sel_weighted_ce' in sums:
+    m.update(sel_loss=sums['sel_weighted_ce'] / weight,
+             sel_tau_est=1.0 + sums['sel_run'] / blocks,
+             recall=sums['recall'] / jnp.maximum(sums['valid'], 1))
+  return m
 
 
 def dflash_loss(drafter, target, batch, key, *, num_anchors: int, gamma: float,
-                anchor_supervised: bool = True):
+                anchor_supervised: bool = True, selector_alpha: float = 1.0):
+  """The DFlash loss (plus selector_alpha × the selector loss for a DFlash-2 drafter)."""
   tokens_BS, loss_mask_BS = batch['tokens'], batch['loss_mask']
   taps = target_taps(target, tokens_BS, drafter.cfg.target_layer_ids)
   anchors_BN = sample_anchors(key, loss_mask_BS, num_anchors, anchor_supervised)
   m = dflash_metrics(dflash_sums(dflash_terms(drafter, target, taps, tokens_BS,
                                               loss_mask_BS, anchors_BN, gamma)))
-  return m['loss'], {'acc1': m['acc1'], 'tau_est': m['tau_est']}
+  loss = m.pop('loss')
+  if 'sel_loss' in m:
+    m['unary_loss'] = loss
+    loss = loss + selector_alpha * m['sel_loss']
+  return loss, m
 
 
 def bd3lm_noise(key, batch: int, seq_len: int, block_size: int, eps_min: float,
@@ -167,7 +230,7 @@ def bd3lm_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, drop_BS):
   cfg = drafter.cfg
   b, s = tokens_BS.shape
   pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-  ctx_k, ctx_v = drafter.context_kv(drafter.fuse(taps_BSND), pos_BS)
+  ctx_k, ctx_v = drafter.context_kv(drafter.fuse(taps_BSND, target), pos_BS)
   x_t_BS = jnp.where(drop_BS, cfg.mask_token_id, tokens_BS)
   mask = BD3LMContextMask(block_size=cfg.block_size, seq_len=s)
   hidden_BSD = drafter(target.embed(x_t_BS), pos_BS, ctx_k, ctx_v, mask, None,
@@ -216,27 +279,40 @@ def frequent_tokens(tokens, loss_mask, count: int, vocab_size: int) -> tuple:
   return tuple(sorted(int(i) for i in order[:count]))
 
 
-def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DFlashDrafter:
-  """A freshly initialised drafter for the config's `dflash` section and the target.
+# DFlash-2 fields of the `dflash` config section (absent from DFlash configs).
+DFLASH2_FIELDS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 
-  mask_token_id < 0 takes the tokenizer's mask id, else the last vocab row.
+
+def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DFlashDrafter:
+  """A freshly initialised drafter for the config's `dflash` section and the target: a
+  DFlash-2 drafter for training.task = dflash2 (its convs start as the identity).
+
+  mask_token_id < 0 takes the tokenizer's mask id, else the last vocab row. Optional keys
+  layer_types / is_causal select z-lab's per-layer attention (sliding_window then is the
+  per-query window of the sliding layers).
   """
   d = cfg.dflash
   mask_id = d.mask_token_id
   if mask_id < 0:
     mask_id = target_cfg.vocab_size - 1 if tokenizer_mask_id is None else tokenizer_mask_id
-  dcfg = DFlashConfig.create(
+  fields = dict(layer_types=tuple(d.get('layer_types', ())), is_causal=d.get('is_causal'))
+  config_class, drafter_class = DFlashConfig, DFlashDrafter
+  if cfg.training.task == 'dflash2':
+    config_class, drafter_class = DFlash2Config, DFlash2Drafter
+    fields.update({k: d[k] for k in DFLASH2_FIELDS})
+  dcfg = config_class.create(
       num_target_layers=target_cfg.num_layers, num_layers=d.num_layers,
       block_size=d.block_size, mask_token_id=mask_id,
       target_layer_ids=tuple(d.target_layer_ids), sliding_window=d.sliding_window or None,
-      attention_impl=d.attention_impl, draft_vocab=draft_vocab)
-  return DFlashDrafter(dcfg, target_cfg, rngs=nnx.Rngs(cfg.training.seed))
+      attention_impl=d.attention_impl, draft_vocab=draft_vocab, **fields)
+  return drafter_class(dcfg, target_cfg, rngs=nnx.Rngs(cfg.training.seed))
 
 
 def build_task(cfg, workdir: str) -> TrainTask:
-  """The 'dflash' or 'bd3lm' task: drafter on `cfg.data.path` for the target `cfg.model`."""
+  """The 'dflash', 'dflash2' or 'bd3lm' task: drafter on `cfg.data.path` for the target
+  `cfg.model`."""
   del workdir
-  from dspec.decoding.runner import build_target
+  from dspec.loading import build_target
   from dspec.training.distill import load_distilled
   tcfg, d = cfg.training, cfg.dflash
   target, tokenizer, _ = build_target(cfg.model)
@@ -262,9 +338,10 @@ def build_task(cfg, workdir: str) -> TrainTask:
     return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
 
   gamma = loss_gamma(d.block_size, d.loss_gamma)
-  if tcfg.task == 'dflash':
+  if tcfg.task in ('dflash', 'dflash2'):
     loss_fn = functools.partial(dflash_loss, num_anchors=d.num_anchors, gamma=gamma,
-                                anchor_supervised=d.anchor_supervised)
+                                anchor_supervised=d.anchor_supervised,
+                                selector_alpha=d.get('selector_loss_alpha', 1.0))
   else:
     loss_fn = functools.partial(bd3lm_loss, eps_min=d.eps_min, eps_max=d.eps_max,
                                 keep_first=d.keep_first)

@@ -25,12 +25,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from dspec import checkpoint, config_checks
+from dspec import checkpoint, config_checks, datasets
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.files import directory_lock, write_atomic, write_json_atomic
-from dspec.decoding.runner import build_target, generated_ids, validate_sampling
+from dspec.decoding.prompts import generated_ids, pad_prompts
+from dspec.decoding.runner import Settings
+from dspec.loading import build_target
 from dspec.tokenizer import fingerprint as tokenizer_fingerprint
-from dspec.training import corpus
 
 _MANIFEST = 'manifest.json'
 _WIDTH_BUCKET = 64
@@ -83,7 +84,7 @@ def _encode_prompts(cfg, tokenizer) -> list:
   dcfg = cfg.distill
   ids = []
   for name, limit in sorted(dcfg.prompt_sets.items()):
-    for text in corpus.load_prompts(name, cfg.data_dir, limit):
+    for text in datasets.load_prompts(name, cfg.data_dir, limit):
       row = tokenizer.encode(text)[:dcfg.max_prompt_tokens]
       if row:
         ids.append(row)
@@ -96,11 +97,7 @@ def _generate_batch(engine, params, rows, cfg, seed):
   batch = dcfg.batch_size
   real = len(rows)
   rows = rows + [rows[0]] * (batch - real)
-  width = -(-max(len(r) for r in rows) // _WIDTH_BUCKET) * _WIDTH_BUCKET
-  prompt_BP = np.zeros((batch, width), np.int32)
-  for i, r in enumerate(rows):
-    prompt_BP[i, :len(r)] = r
-  lens = np.array([len(r) for r in rows], np.int32)
+  prompt_BP, lens = pad_prompts(rows, width_multiple=_WIDTH_BUCKET)
   state = engine.prefill(params, None, prompt_BP, lens, temperature=cfg.temperature,
                          top_p=cfg.top_p, max_new_tokens=dcfg.max_new_tokens, seed=seed)
   state = engine.generate(params, None, state)
@@ -138,7 +135,8 @@ def distill(cfg, out_dir: str) -> dict:
   """Generates (or resumes generating) the distilled dataset; returns the manifest."""
   dcfg = cfg.distill
   config_checks.check_distill_config(cfg)
-  spec = validate_sampling(cfg)
+  spec = Settings(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                  seed=cfg.seed).sampling()
   if not out_dir:
     raise ValueError('empty --out_dir')
   target, tokenizer, _ = build_target(cfg.model)

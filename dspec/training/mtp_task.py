@@ -237,7 +237,7 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
 def build_posthoc_task(cfg, workdir: str) -> TrainTask:
   """'mtp_posthoc' from a config: the frozen target `cfg.model`, data at `cfg.data.path`;
   with `training.corpus_eval` also the `corpus/` metrics (as the joint task logs)."""
-  from dspec.decoding.runner import build_target
+  from dspec.loading import build_target
   from dspec.training.distill import load_distilled
   target, _, _ = build_target(cfg.model)
   task = posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,

@@ -14,6 +14,7 @@ from dspec import checkpoint
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 from dspec.tokenizer import load_tokenizer
+from dspec import datasets
 from dspec.training import corpus
 from dspec.training.losses import masked_mean, token_cross_entropy
 from dspec.training.trainer import TrainTask
@@ -25,7 +26,7 @@ def packed_windows(cfg, tokenizer, which: str, cache_dir: str) -> dict[str, np.n
   for name in cfg.training.mixture:
     path = os.path.join(cache_dir, f'{name}_{which}_{cfg.training.seq_len}.npy')
     if not os.path.exists(path):
-      docs = corpus.split_documents(corpus.load_corpus(name, cfg.data_dir),
+      docs = datasets.split_documents(datasets.load_corpus(name, cfg.data_dir),
                                     cfg.training.heldout_fraction, which)
       windows = corpus.pack_tokens(docs, tokenizer, cfg.training.seq_len, tokenizer.eos_id)
       os.makedirs(cache_dir, exist_ok=True)

@@ -2,7 +2,6 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,7 +35,9 @@ def test_greedy_matches_uncached_loop_for_ragged_batch(tiny_model, tiny_split, a
   outs, state = generate(ar_engine, tiny_split[1], None, PROMPTS, 12)
   for prompt, out in zip(PROMPTS, outs):
     assert out == _naive_greedy(tiny_model, prompt, 12)
-  assert np.all(np.asarray(state.stats.steps_B) == 12)
+  # The prefill commits the first token; each of the 11 verify steps one more.
+  assert np.all(np.asarray(state.stats.steps_B) == 11)
+  assert np.all(np.asarray(state.stats.committed_B) == 11)
 
 
 def test_batch_rows_are_independent(tiny_split, ar_engine):
@@ -49,6 +50,10 @@ def test_batch_rows_are_independent(tiny_split, ar_engine):
 def test_stop_token_ends_each_row_on_its_own(tiny_split, ar_engine):
   full, _ = generate(ar_engine, tiny_split[1], None, PROMPTS, 12)
   stop = full[0][3]
+  first = full[1][0]   # a row whose very first token (the prefill's) is a stop token
+  engine_first = SpeculativeEngine(tiny_split[0], stop_ids=(first,))
+  outs, state = generate(engine_first, tiny_split[1], None, [PROMPTS[1]], 12)
+  assert outs == [[first]] and int(state.stats.steps_B[0]) == 0
   engine = SpeculativeEngine(tiny_split[0], stop_ids=(stop,))
   outs, state = generate(engine, tiny_split[1], None, PROMPTS, 12)
   for ref, out in zip(full, outs):

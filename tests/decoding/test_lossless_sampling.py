@@ -153,7 +153,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     ('ar', None, SamplingSpec(greedy=False), 1.0, 1.0),
     ('ngram', NgramDrafter(num_draft=3, max_n=2), SamplingSpec(greedy=False), 1.0, 1.0),
     ('self', SelfDrafter(num_draft=2), SamplingSpec(greedy=False, top_k=4), 0.7, 1.0),
-    ('oracle_adversarial', OracleDrafter(num_draft=3, acceptance=(0.0,), vocab_size=12),
+    ('oracle_adversarial', OracleDrafter(num_draft=3, acceptance=(0.0,)),
      SamplingSpec(greedy=False, use_top_p=True), 1.0, 0.8),
 ])
 def test_engine_sampling_is_lossless(small_vocab_model, name, drafter, spec, temperature,
@@ -161,9 +161,8 @@ def test_engine_sampling_is_lossless(small_vocab_model, name, drafter, spec, tem
   graphdef, params = nnx.split(small_vocab_model)
   kw = {} if drafter is None else {'drafter': drafter}
   engine = SpeculativeEngine(graphdef, sampling=spec, **kw)
-  dparams = None
-  if name == 'oracle_adversarial':   # proposes a token the target never emits: always wrong
-    dparams = np.zeros((40_000, 64), np.int32)
-  check_engine_samples_match_target(engine, small_vocab_model, params, dparams, PROMPT,
+  # oracle_adversarial proposes greedy + 1 at every slot: a wrong token, often one the
+  # top-p target gives no mass.
+  check_engine_samples_match_target(engine, small_vocab_model, params, None, PROMPT,
                                     temperature=temperature, top_p=top_p,
                                     num_samples=40_000, num_tokens=2)

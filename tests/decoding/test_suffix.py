@@ -7,10 +7,10 @@ import pytest
 
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
-from conftest import pad_prompts
+from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
-from dspec.decoding.runner import generated_ids
+from dspec.decoding.prompts import generated_ids
 
 
 def _all_counts(tree):
@@ -135,12 +135,13 @@ def test_repeated_runs_start_from_the_same_cache_state():
   assert drafter.shared_cache() is drafter.shared_cache()
   private = SuffixDrafter(cache_id='test_repeated_runs', use_global_cache=False)
   assert private.shared_cache() is not private.shared_cache()
-  assert len({drafter, private}) == 2 and drafter.num_draft == drafter.max_draft
+  assert len({drafter, private}) == 2 and drafter.num_draft == 16
+  assert drafter.shared_cache(private=True) is not drafter.shared_cache()
 
 
 def test_host_drafter_pads_proposals():
-  host = SuffixDrafter(max_draft=4, max_spec_offset=4.0, use_global_cache=False,
-                       cache_id='test_host_pads').host_drafter_factory()
+  host = SuffixDrafter(num_draft=4, max_spec_offset=4.0, use_global_cache=False,
+                       cache_id='test_host_pads').host_drafter_factory()()
   sequences = [[1, 2, 3, 1, 2], [9, 9, 9]]
   host.start(sequences)
   tokens_BG, num_B = host.propose(sequences, np.array([True, False]))
@@ -167,13 +168,13 @@ def test_suffix_decoding_is_lossless(tiny_split, prompts):
   state = ar.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
   expected = generated_ids(ar.generate(params, None, state))
 
-  drafter = SuffixDrafter(max_draft=6, max_depth=16, max_spec_offset=2.0,
+  drafter = SuffixDrafter(num_draft=6, max_depth=16, max_spec_offset=2.0,
                           cache_id=f'test_lossless_{len(prompts)}')
   engine = SpeculativeEngine(graphdef, drafter=drafter)
   accepted = []
   for _ in range(2):   # a repeat must not draft from its own earlier answer
     state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
-    state = generate_host_loop(engine, params, None, state, drafter.host_drafter_factory())
+    state = generate_host_loop(engine, params, None, state, drafter.host_drafter_factory()())
     assert generated_ids(state) == expected
     assert all(len(g) == max_new for g in expected)
     accepted.append(np.asarray(state.stats.accepted_B).tolist())

@@ -22,7 +22,7 @@ from lossless_checks import check_engine_samples_match_target
 from configs import dflash_demo
 from dspec import checkpoint
 from dspec.decoding.drafters import registry
-from dspec.decoding.drafters.dflash import DFlashDraftDrafter
+from dspec.decoding.drafters import dflash as dflash_drafters
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
@@ -231,7 +231,7 @@ def test_greedy_lossless_against_ar(toy, ragged_run):
   ar, outs, state = ragged_run
   assert outs == ar
   # Batch 1, with a smaller inference block and two denoising steps.
-  smaller = dataclasses.replace(toy['drafter'], block_size=3, denoise_steps=2)
+  smaller = dataclasses.replace(toy['drafter'], num_draft=2, denoise_steps=2)
   engine = SpeculativeEngine(toy['graphdef'], drafter=smaller)
   outs, state = generate(engine, toy['params'], toy['dparams'], [PROMPT], NEW_TOKENS)
   assert outs[0] == toy['continuation']
@@ -259,7 +259,7 @@ def test_reduced_draft_vocabulary(toy):
                              toy['target'].logits(hidden)[..., ids], rtol=1e-6)
   np.testing.assert_array_equal(module.token_ids(module.draft_index(ids)), ids)
   assert int(module.draft_index(jnp.asarray(dropped))) == -1
-  drafter, dparams = DFlashDraftDrafter.create(module)
+  drafter, dparams = dflash_drafters.DFlashDrafter.create(module)
   engine = SpeculativeEngine(toy['graphdef'], drafter=drafter)
   outs, state = generate(engine, toy['params'], dparams, [PROMPT], NEW_TOKENS)
   assert outs[0] == toy['continuation']
@@ -270,7 +270,7 @@ def test_sampled_output_matches_the_target(small_vocab_model):
   cfg = DFlashConfig.create(small_vocab_model.cfg.num_layers, num_layers=1, block_size=3,
                             mask_token_id=11)
   module = DFlashDrafter(cfg, small_vocab_model.cfg, rngs=nnx.Rngs(5))
-  drafter, dparams = DFlashDraftDrafter.create(module)
+  drafter, dparams = dflash_drafters.DFlashDrafter.create(module)
   graphdef, params = nnx.split(small_vocab_model)
   engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=SamplingSpec(greedy=False))
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
@@ -288,8 +288,8 @@ def test_mismatched_target_and_missing_path_are_clear_errors(toy):
   cfg.drafters.dflash.path = ''
   with pytest.raises(ValueError, match='drafters.dflash.path'):
     registry.build_drafter(cfg, toy['target'])
-  with pytest.raises(ValueError, match='trained block'):
-    dataclasses.replace(drafter, block_size=drafter.config.block_size + 1)
+  with pytest.raises(ValueError, match=r'drafters.dflash.num_draft must be in \[1, '):
+    drafter.with_num_draft(drafter.config.block_size)
 
 
 def test_decode_cli_with_a_trained_drafter(toy, tmp_path):

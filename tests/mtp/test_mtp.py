@@ -14,7 +14,7 @@ from flax import nnx
 
 from conftest import REPO_ROOT, TINY, generate
 from dspec.decoding.drafters import registry
-from dspec.decoding.drafters.mtp import MTPDrafter, load_mtp_drafter
+from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
@@ -185,7 +185,7 @@ def test_posthoc_training_lowers_every_depth(trained):
 
 
 def test_greedy_trained_mtp_equals_ar_and_accepts(tiny_split, ar_outputs, trained):
-  drafter, params = load_mtp_drafter(trained[2])
+  drafter, params = MTPDrafter.from_model(load_mtp(trained[2]))
   stats = check_greedy(tiny_split, ar_outputs, drafter, params)
   assert int(np.asarray(stats.accepted_B).sum()) > 0
 
@@ -248,7 +248,7 @@ def test_cli_decode_tiny_is_lossless(tmp_path):
   save_mtp(path, random_mtp(MTPConfig(num_depths=4), _tiny_preset_target_cfg()))
   out = subprocess.run(
       [sys.executable, 'scripts/decode.py', '--config=configs/mtp_demo.py:tiny',
-       f'--config.drafters.mtp.path={path}', '--config.drafters.mtp.num_depths=2',
+       f'--config.drafters.mtp.path={path}', '--config.drafters.mtp.num_draft=2',
        '--config.compare_ar=True', '--prompt_ids=5,6,7,5,6'],
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -268,7 +268,7 @@ def test_registry_errors(tmp_path, tiny_model):
   cfg.drafters.mtp.path = path
   with pytest.raises(ValueError, match='width'):
     registry.build_drafter(cfg, tiny_model)
-  cfg.drafters.mtp.num_depths = 3
+  cfg.drafters.mtp.num_draft = 3
   with pytest.raises(ValueError, match='exceeds the 2 trained depths'):
     registry.build_drafter(cfg, tiny_model)
   drafter, _ = MTPDrafter.from_model(MTP(MTPConfig(h0_source='pre_norm'), TINY,

@@ -74,11 +74,11 @@ def optional_drafters():
   except ImportError as e:
     out['mtp'] = f'MTP modules not importable: {e}'
   try:
-    from dspec.decoding.drafters.dflash import DFlashDraftDrafter
+    from dspec.decoding.drafters import dflash as dflash_drafters
     from dspec.models.dflash import DFlashConfig, DFlashDrafter
     cfg = DFlashConfig.create(MODEL.num_layers, 1, 4, mask_token_id=1)
     out['dflash'] = (lambda: DFlashDrafter(cfg, MODEL, rngs=nnx.Rngs(2)),
-                     lambda m: DFlashDraftDrafter.create(m))
+                     lambda m: dflash_drafters.DFlashDrafter.create(m))
   except ImportError as e:
     out['dflash'] = f'DFlash modules not importable: {e}'
   return out
@@ -114,8 +114,7 @@ def decode_checks(result, meshes):
     reference = ar_state.tokens_BL if placement is None else placement.put_params(
         ar_state.tokens_BL)
     runs['ngram'] = run(NgramDrafter(num_draft=3, max_n=3), None)[0]
-    runs['oracle'] = run(OracleDrafter(num_draft=3, acceptance=(0.9, 0.5),
-                                       vocab_size=MODEL.vocab_size), reference)[0]
+    runs['oracle'] = run(OracleDrafter(num_draft=3, acceptance=(0.9, 0.5)), reference)[0]
     runs['self'], self_state = run(SelfDrafter(num_draft=2), None)
     if mesh == 'data=2,tensor=4':
       result['state_specs'] = {

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from conftest import pad_prompts
+from conftest import generate
+from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
-                                       TierDrafter, VerifyLengthController,
-                                       expected_tokens, resize_drafter)
+                                       VerifyLengthController, expected_tokens, tier_drafter)
+from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
@@ -25,11 +26,7 @@ def _costs(per_token: float, propose: float = 0.0):
 
 
 def _decode(engine, params, dparams):
-  prompt_BP, lens = pad_prompts(PROMPTS)
-  state = engine.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
-  state = engine.generate(params, dparams, state)
-  tokens, nums = np.asarray(state.tokens_BL), np.asarray(state.num_tokens_B)
-  return [tokens[b, lens[b]:nums[b]].tolist() for b in range(len(PROMPTS))], state
+  return generate(engine, params, dparams, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope='module')
@@ -102,9 +99,11 @@ def test_acceptance_estimate_and_expected_tokens():
 
 
 def test_tiers_resize_or_truncate():
-  assert resize_drafter(NgramDrafter(num_draft=8), 3).num_draft == 3
-  assert resize_drafter(object(), 3) is None
-  tier = TierDrafter(SelfDrafter(num_draft=4), 0)
+  assert tier_drafter(NgramDrafter(num_draft=8), 3).num_draft == 3
+  assert tier_drafter(NgramDrafter(num_draft=8), 0) == TruncatedDrafter(NgramDrafter(), 0)
+  with pytest.raises(ValueError, match='num_draft'):
+    NgramDrafter(num_draft=8).with_num_draft(0)
+  tier = TruncatedDrafter(SelfDrafter(num_draft=4), 0)
   assert tier.num_draft == 0 and tier.taps == ()
   with pytest.raises(ValueError, match='tiers'):
     ControllerConfig(tiers=(3, 1))

@@ -108,7 +108,6 @@ def test_decode_runner_on_a_mesh_is_lossless(mesh_results):
 # ------------------------------------------------------------- single-process units
 
 def test_config_rules_are_the_library_defaults():
-  assert tuple(common.SHARDING_RULES) == sharding.DEFAULT_RULES
   assert common.decode_config('tiny').sharding_rules == sharding.DEFAULT_RULES
   assert common.training_config('target').mesh == ''
 

@@ -25,45 +25,48 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspec.decoding.drafter import check_width_and_vocab
+from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
+from dspec.models import dflash as dflash_model
 from dspec.models.config import TransformerConfig
-from dspec.models.dflash import DFlashConfig, DFlashDrafter, load_dflash
+from dspec.models.dflash import DFlashConfig
 from dspec.models.kv_cache import KVCache
 from pallas_kernels.block_attention import DFlashDraftMask
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDraftDrafter:
-  """Engine drafter around a `DFlashDrafter`; params are `nnx.split(module)[1]`.
-
-  block_size: the inference block b (anchor + b−1 drafts), at most the trained block.
+class DFlashDrafter:
+  """Engine drafter around a DFlash model (`dspec.models.dflash`); params are
+  `nnx.split(model)[1]`. It drafts `num_draft` tokens per step: the inference block is
+  the anchor plus `num_draft` masks, at most the trained block.
   """
 
   graphdef: Any
   config: DFlashConfig
   target_cfg: TransformerConfig
-  block_size: int
+  num_draft: int
   denoise_steps: int = 1
 
   def __post_init__(self):
-    if not 2 <= self.block_size <= self.config.block_size:
-      raise ValueError(f'dflash inference block_size must be in [2, {self.config.block_size}] '
-                       f'(the trained block), got {self.block_size}')
+    check_num_draft('dflash', self.num_draft, 1, self.config.block_size - 1)
     if self.denoise_steps < 1:
-      raise ValueError(f'dflash denoise_steps must be >= 1, got {self.denoise_steps}')
+      raise ValueError(f'drafters.dflash.denoise_steps must be >= 1, got '
+                       f'{self.denoise_steps}')
 
   @classmethod
-  def create(cls, module: DFlashDrafter, block_size: int = 0,
-             denoise_steps: int = 1) -> Tuple['DFlashDraftDrafter', Any]:
-    """(drafter, params); block_size 0 means the trained block size."""
-    graphdef, params = nnx.split(module)
-    return cls(graphdef, module.cfg, module.target_cfg,
-               block_size or module.cfg.block_size, denoise_steps), params
+  def create(cls, model: dflash_model.DFlashDrafter, num_draft: int = 0,
+             denoise_steps: int = 1) -> Tuple['DFlashDrafter', Any]:
+    """(drafter, params); num_draft 0 means the trained block size - 1."""
+    graphdef, params = nnx.split(model)
+    return cls(graphdef, model.cfg, model.target_cfg,
+               num_draft or model.cfg.block_size - 1, denoise_steps), params
 
   @property
-  def num_draft(self) -> int:
-    return self.block_size - 1
+  def block_size(self) -> int:
+    return self.num_draft + 1
+
+  def with_num_draft(self, num_draft: int) -> 'DFlashDrafter':
+    return dataclasses.replace(self, num_draft=num_draft)
 
   @property
   def taps(self) -> Tuple[int, ...]:
@@ -123,7 +126,7 @@ class DFlashDraftDrafter:
 
   # ------------------------------------------------------------------------- helpers
 
-  def block_logits(self, model: DFlashDrafter, cache: KVCache, target, ctx, drafts_BG):
+  def block_logits(self, model: dflash_model.DFlashDrafter, cache: KVCache, target, ctx, drafts_BG):
     """Draft logits [B, b−1, V'] (draft vocabulary) of slots 1..b−1 for the block
     [anchor, drafts_BG]."""
     b = ctx.tokens_BL.shape[0]
@@ -137,7 +140,7 @@ class DFlashDraftDrafter:
     return model.draft_logits(target, hidden_BTD[:, 1:])
 
 
-def _append_context(model: DFlashDrafter, cache: KVCache, taps_BTND, positions_BT):
+def _append_context(model: dflash_model.DFlashDrafter, cache: KVCache, taps_BTND, positions_BT):
   """Writes the context K/V of new features at their absolute positions (all layers)."""
   k_LBTKD, v_LBTKD = model.context_kv(model.fuse(taps_BTND), positions_BT)
   for i in range(k_LBTKD.shape[0]):
@@ -145,11 +148,11 @@ def _append_context(model: DFlashDrafter, cache: KVCache, taps_BTND, positions_B
   return cache
 
 
-def from_config(c) -> Tuple[DFlashDraftDrafter, Any]:
-  """(drafter, params) from a `drafters.dflash` sub-config (path, block_size, ...)."""
+def build(cfg, target) -> Tuple[DFlashDrafter, Any]:
+  """(drafter, params) from `cfg.drafters.dflash` (path, num_draft, denoise_steps, ...)."""
+  c = cfg.drafters.dflash
   if not c.path:
     raise ValueError('drafter dflash needs a trained checkpoint: set '
-                     '--config.drafters.dflash.path=<dir> (e.g. runs/dflash_demo/final)')
-  module = load_dflash(c.path, attention_impl=c.attention_impl)
-  return DFlashDraftDrafter.create(module, block_size=c.block_size,
-                                   denoise_steps=c.denoise_steps)
+                     '--config.drafters.dflash.path=<dir> (e.g. demo/dflash)')
+  model = dflash_model.load_dflash(c.path, attention_impl=c.attention_impl)
+  return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps)

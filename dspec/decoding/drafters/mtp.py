@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.sampling import processed_probs, sample_from_probs
-from dspec.decoding.drafter import check_width_and_vocab
+from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.kv_cache import KVCache
@@ -67,11 +67,14 @@ class MTPDrafter:
   sample_proposals: bool = False
 
   def __post_init__(self):
-    if self.num_draft < 1:
-      raise ValueError(f'mtp num_depths must be >= 1, got {self.num_draft}')
+    check_num_draft('mtp', self.num_draft)
     if self.num_draft > self.config.num_depths and not self.config.shared_depth:
-      raise ValueError(f'mtp num_depths={self.num_draft} exceeds the {self.config.num_depths} '
-                       'trained depths (only a shared_depth MTP can recurse further)')
+      raise ValueError(f'drafters.mtp.num_draft={self.num_draft} exceeds the '
+                       f'{self.config.num_depths} trained depths (only a shared_depth MTP '
+                       'can recurse further)')
+
+  def with_num_draft(self, num_draft: int) -> 'MTPDrafter':
+    return dataclasses.replace(self, num_draft=num_draft)
 
   @classmethod
   def from_model(cls, mtp: MTP, num_draft: int = 0, sample_proposals: bool = False):
@@ -237,10 +240,10 @@ class MTPDrafter:
     return Proposal(tokens_BG, num_B, q_BGV)
 
 
-def load_mtp_drafter(path: str, num_depths: int = 0, sample_proposals: bool = False):
-  """(MTPDrafter, params) from a checkpoint directory; num_depths=0: every trained depth."""
-  if not path:
-    raise ValueError('drafter=mtp needs --config.drafters.mtp.path=<MTP checkpoint dir> '
+def build(cfg, target):
+  """(MTPDrafter, params) from `cfg.drafters.mtp`; num_draft 0: every trained depth."""
+  c = cfg.drafters.mtp
+  if not c.path:
+    raise ValueError('drafter mtp needs --config.drafters.mtp.path=<MTP checkpoint dir> '
                      '(train one: scripts/train.py --config=configs/mtp_demo.py)')
-  mtp = load_mtp(path)
-  return MTPDrafter.from_model(mtp, num_depths, sample_proposals)
+  return MTPDrafter.from_model(load_mtp(c.path), c.num_draft, c.sample_proposals)

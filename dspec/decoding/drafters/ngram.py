@@ -9,10 +9,10 @@ text it repeats periodically, as a loop would). No match: no proposal.
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
 
 import jax.numpy as jnp
 
+from dspec.decoding.drafter import StatelessDrafter, check_num_draft
 from dspec.decoding.state import Proposal
 
 
@@ -31,22 +31,17 @@ def _latest_match(tokens_BL, num_tokens_B, n: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(StatelessDrafter):
   """Prompt-lookup decoding (Saxena 2023; vLLM `ngram`) with a configurable n range."""
 
   num_draft: int = 8
   min_n: int = 1
   max_n: int = 4
-  taps: Tuple[int, ...] = ()
 
   def __post_init__(self):
     if not 1 <= self.min_n <= self.max_n:
       raise ValueError(f'ngram needs 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}')
-    if self.num_draft < 1:
-      raise ValueError(f'ngram draft_len must be >= 1, got {self.num_draft}')
-
-  def init(self, params, target, ctx, prefill_out):
-    return ()
+    check_num_draft('ngram', self.num_draft)
 
   def propose(self, params, state, target, ctx, key):
     tokens_BL, num_tokens_B = ctx.tokens_BL, ctx.num_tokens_B
@@ -64,8 +59,7 @@ class NgramDrafter:
     num_B = jnp.where(best_B >= 0, self.num_draft, 0)
     return Proposal(draft_BG.astype(jnp.int32), num_B.astype(jnp.int32))
 
-  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return state
 
-  def check_target(self, target_cfg):
-    return None
+def build(cfg, target):
+  c = cfg.drafters.ngram
+  return NgramDrafter(num_draft=c.num_draft, min_n=c.min_n, max_n=c.max_n), None

@@ -1,79 +1,85 @@
-"""Builds the drafter a decode config asks for (`cfg.drafter` + `cfg.drafters.<name>`)."""
+"""Builds the drafter a decode config asks for (`cfg.drafter` + `cfg.drafters.<name>`).
+
+Every builder has one signature, `build(cfg, target) -> (drafter, params)`; adding a
+drafter adds one line to `_BUILDERS` and its defaults to `DEFAULTS` (see
+`dspec/decoding/drafter.py`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+import importlib
 
 from dspec.decoding.drafter import NoDrafter
-from dspec.decoding.drafters.ngram import NgramDrafter
-from dspec.decoding.drafters.oracle import OracleDrafter
-from dspec.decoding.drafters.self_draft import SelfDrafter
-from dspec.decoding.drafters.suffix import SuffixDrafter
 
-# name -> builder(cfg, target, reference_BL) -> (drafter, drafter_params)
-_BUILDERS: Dict[str, Callable[..., Tuple[Any, Any]]] = {}
+# drafter name -> module in dspec.decoding.drafters whose `build(cfg, target)` makes it
+_BUILDERS = {
+    'ngram': 'ngram',
+    'suffix': 'suffix',
+    'oracle': 'oracle',
+    'self': 'self_draft',
+    'mtp': 'mtp',
+    'dflash': 'dflash',
+}
 
+# Config defaults of every drafter (`cfg.drafters.<name>`). `num_draft` is each one's
+# draft length γ; for learned drafters 0 means what the checkpoint was trained for (MTP:
+# every depth; DFlash: the trained block - 1).
+DEFAULTS = {
+    'ngram': {'num_draft': 8, 'min_n': 1, 'max_n': 4},
+    'suffix': {'num_draft': 16, 'max_depth': 32, 'min_token_prob': 0.1,
+               'max_spec_factor': 1.0, 'max_spec_offset': 0.0, 'max_cached_requests': 1000},
+    'oracle': {'num_draft': 8, 'acceptance': [0.8]},
+    'self': {'num_draft': 4},
+    'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False},
+    'dflash': {'path': '', 'num_draft': 15, 'denoise_steps': 1, 'attention_impl': 'xla'},
+}
 
-def register(name: str):
-  def wrap(fn):
-    _BUILDERS[name] = fn
-    return fn
-  return wrap
+# Draft-length names before `num_draft` became the one knob: config path -> the new field.
+LEGACY_FIELDS = {
+    'drafters.ngram.draft_len': 'drafters.ngram.num_draft',
+    'drafters.suffix.max_draft': 'drafters.suffix.num_draft',
+    'drafters.oracle.draft_len': 'drafters.oracle.num_draft',
+    'drafters.self.draft_len': 'drafters.self.num_draft',
+    'drafters.mtp.num_depths': 'drafters.mtp.num_draft',
+    'drafters.dflash.block_size': 'drafters.dflash.num_draft (= block size - 1)',
+    'drafters.oracle.source': None,
+    'verify': None,
+}
 
 
 def known() -> list:
-  return sorted(_BUILDERS)
+  return sorted(['none', *_BUILDERS])
 
 
-@register('none')
-def _none(cfg, target, reference_BL):
-  return NoDrafter(), None
+def legacy_field_message(path: str):
+  """One line for a config path that no longer exists, or None."""
+  if path not in LEGACY_FIELDS:
+    return None
+  new = LEGACY_FIELDS[path]
+  if new is None:
+    return f'config field {path} was removed (it had no effect)'
+  return f'config field {path} was renamed: use {new}'
 
 
-@register('ngram')
-def _ngram(cfg, target, reference_BL):
-  c = cfg.drafters.ngram
-  return NgramDrafter(num_draft=c.draft_len, min_n=c.min_n, max_n=c.max_n), None
+def name_of(drafter) -> str:
+  """The registry name of a built drafter ('ar' for none)."""
+  drafter = getattr(drafter, 'inner', drafter)   # a controller tier wraps its drafter
+  if isinstance(drafter, NoDrafter):
+    return 'ar'
+  module = type(drafter).__module__.rpartition('.')[2]
+  names = [name for name, mod in _BUILDERS.items() if mod == module]
+  return names[0] if names else type(drafter).__name__
 
 
-@register('suffix')
-def _suffix(cfg, target, reference_BL):
-  c = cfg.drafters.suffix
-  return SuffixDrafter(max_draft=c.max_draft, max_depth=c.max_depth,
-                       min_token_prob=c.min_token_prob, max_spec_factor=c.max_spec_factor,
-                       max_spec_offset=c.max_spec_offset,
-                       max_cached_requests=c.max_cached_requests), None
-
-
-@register('oracle')
-def _oracle(cfg, target, reference_BL):
-  c = cfg.drafters.oracle
-  return (OracleDrafter(num_draft=c.draft_len, acceptance=tuple(c.acceptance),
-                        vocab_size=target.cfg.vocab_size), reference_BL)
-
-
-@register('self')
-def _self(cfg, target, reference_BL):
-  return SelfDrafter(num_draft=cfg.drafters.self.draft_len), None
-
-
-@register('dflash')
-def _dflash(cfg, target, reference_BL):
-  from dspec.decoding.drafters import dflash
-  return dflash.from_config(cfg.drafters.dflash)
-
-
-@register('mtp')
-def _mtp(cfg, target, reference_BL):
-  from dspec.decoding.drafters import mtp
-  c = cfg.drafters.mtp
-  return mtp.load_mtp_drafter(c.path, c.num_depths, c.sample_proposals)
-
-
-def build_drafter(cfg, target, reference_BL=None):
-  """(drafter, drafter_params); ValueError naming the known drafters for a bad name."""
-  if cfg.drafter not in _BUILDERS:
-    raise ValueError(f'unknown drafter {cfg.drafter!r}; known: {", ".join(known())}')
-  drafter, params = _BUILDERS[cfg.drafter](cfg, target, reference_BL)
+def build_drafter(cfg, target):
+  """(drafter, drafter_params), checked against the target; ValueError naming the known
+  drafters for a bad name."""
+  name = cfg.drafter
+  if name == 'none':
+    return NoDrafter(), None
+  if name not in _BUILDERS:
+    raise ValueError(f'unknown drafter {name!r}; known: {", ".join(known())}')
+  module = importlib.import_module(f'dspec.decoding.drafters.{_BUILDERS[name]}')
+  drafter, params = module.build(cfg, target)
   drafter.check_target(target.cfg)
   return drafter, params

@@ -8,19 +8,23 @@ the target's verify cache rewound to the committed length (same model, same K/V)
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 
+from dspec.decoding.drafter import DrafterBase, check_num_draft
 from dspec.decoding.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 
 
 @dataclasses.dataclass(frozen=True)
-class SelfDrafter:
+class SelfDrafter(DrafterBase):
+  """State: the drafter's own copy of the target cache (positions < num_tokens - 1)."""
+
   num_draft: int = 4
-  taps: Tuple[int, ...] = ()
+
+  def __post_init__(self):
+    check_num_draft('self', self.num_draft)
 
   def init(self, params, target, ctx, prefill_out):
     return prefill_out.cache.with_lengths(ctx.num_tokens_B - 1)
@@ -47,5 +51,6 @@ class SelfDrafter:
   def update(self, params, cache, target, ctx, verify_out, start_B, num_accepted_B):
     return verify_out.cache.with_lengths(start_B + num_accepted_B + 1)
 
-  def check_target(self, target_cfg):
-    return None
+
+def build(cfg, target):
+  return SelfDrafter(num_draft=cfg.drafters.self.num_draft), None

@@ -31,10 +31,9 @@ import collections
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import jax.numpy as jnp
 import numpy as np
 
-from dspec.decoding.state import Proposal
+from dspec.decoding.drafter import HostProposing, check_num_draft
 
 
 class _Node:
@@ -285,16 +284,15 @@ _SHARED_CACHES: Dict[Tuple[str, int, int], SharedSuffixCache] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class SuffixDrafter:
-  """Suffix decoding as the engine's drafter; proposals come from `host_drafter_factory`.
+class SuffixDrafter(HostProposing):
+  """Suffix decoding as the engine's drafter; proposals come from `host_drafter()`.
 
-  The device-side methods are trivial (the host loop passes proposals in). With
-  `use_global_cache` every run shares the global trie registered under `cache_id` (see
-  the module docstring for how repeated timings stay honest); without it, or with
+  With `use_global_cache` every run shares the global trie registered under `cache_id`
+  (see the module docstring for how repeated timings stay honest); without it, or with
   `max_cached_requests = 0`, each run drafts from its per-request tries only.
   """
 
-  max_draft: int = 16
+  num_draft: int = 16
   max_depth: int = 32
   min_token_prob: float = 0.1
   max_spec_factor: float = 1.0
@@ -302,11 +300,9 @@ class SuffixDrafter:
   max_cached_requests: int = 1000
   use_global_cache: bool = True
   cache_id: str = 'default'
-  taps: Tuple[int, ...] = ()
 
   def __post_init__(self):
-    if self.max_draft < 1:
-      raise ValueError(f'suffix max_draft must be >= 1, got {self.max_draft}')
+    check_num_draft('suffix', self.num_draft)
     if self.max_depth < 1:
       raise ValueError(f'suffix max_depth must be >= 1, got {self.max_depth}')
     if not 0.0 <= self.min_token_prob <= 1.0:
@@ -317,34 +313,27 @@ class SuffixDrafter:
       raise ValueError(f'suffix max_cached_requests must be >= 0, '
                        f'got {self.max_cached_requests}')
 
-  @property
-  def num_draft(self) -> int:
-    return self.max_draft
-
-  def shared_cache(self) -> SharedSuffixCache:
-    """The cache this drafter's runs share (a fresh private one without a global trie)."""
-    if not self.use_global_cache or self.max_cached_requests == 0:
-      return SharedSuffixCache(SuffixCache(self.max_depth, 0))
-    key = (self.cache_id, self.max_depth, self.max_cached_requests)
+  def shared_cache(self, private: bool = False) -> SharedSuffixCache:
+    """The cache this drafter's runs share: the process-wide one of `cache_id`, or a new
+    one (`private`, or no global trie)."""
+    cached = self.max_cached_requests if self.use_global_cache else 0
+    if private or cached == 0:
+      return SharedSuffixCache(SuffixCache(self.max_depth, cached))
+    key = (self.cache_id, self.max_depth, cached)
     if key not in _SHARED_CACHES:
-      _SHARED_CACHES[key] = SharedSuffixCache(
-          SuffixCache(self.max_depth, self.max_cached_requests))
+      _SHARED_CACHES[key] = SharedSuffixCache(SuffixCache(self.max_depth, cached))
     return _SHARED_CACHES[key]
 
-  def host_drafter_factory(self) -> SuffixHostDrafter:
-    """A fresh host drafter (new per-request tries) bound to the shared cache."""
-    return SuffixHostDrafter(self.shared_cache(), self.max_draft, self.min_token_prob,
-                             self.max_spec_factor, self.max_spec_offset)
+  def host_drafter_factory(self, private: bool = False):
+    """Makes fresh host drafters (new per-request tries) bound to one shared cache."""
+    shared = self.shared_cache(private)
+    return lambda: SuffixHostDrafter(shared, self.num_draft, self.min_token_prob,
+                                     self.max_spec_factor, self.max_spec_offset)
 
-  def init(self, params, target, ctx, prefill_out):
-    return ()
 
-  def propose(self, params, state, target, ctx, key):
-    b = ctx.tokens_BL.shape[0]
-    return Proposal(jnp.zeros((b, self.max_draft), jnp.int32), jnp.zeros((b,), jnp.int32))
-
-  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return state
-
-  def check_target(self, target_cfg):
-    return None
+def build(cfg, target):
+  c = cfg.drafters.suffix
+  return SuffixDrafter(num_draft=c.num_draft, max_depth=c.max_depth,
+                       min_token_prob=c.min_token_prob, max_spec_factor=c.max_spec_factor,
+                       max_spec_offset=c.max_spec_offset,
+                       max_cached_requests=c.max_cached_requests), None

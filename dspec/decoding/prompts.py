@@ -1,0 +1,65 @@
+"""Prompts in, token ids out: padding prompts into a batch and reading generations back."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def pad_prompts(rows: Sequence[Sequence[int]], batch_size: int = 0,
+                width_multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt_BP int32, prompt_len_B int32): rows right-padded with 0 to one width (rounded
+  up to `width_multiple`); with `batch_size` > len(rows) the rows repeat cyclically."""
+  rows = [list(r) for r in rows]
+  if not rows or min(len(r) for r in rows) < 1:
+    raise ValueError('prompts must be a non-empty list of non-empty token lists')
+  if batch_size:
+    rows = [rows[i % len(rows)] for i in range(batch_size)]
+  width = -(-max(len(r) for r in rows) // width_multiple) * width_multiple
+  prompt_BP = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    prompt_BP[i, :len(r)] = r
+  return prompt_BP, np.array([len(r) for r in rows], np.int32)
+
+
+def encode_prompts(prompts: Sequence, tokenizer, vocab_size: int, max_total: int,
+                   max_new_tokens: int) -> list[list[int]]:
+  """Token-id rows of text or token-id prompts, checked against the vocabulary and the
+  model context (ValueError naming the problem)."""
+  if isinstance(prompts, (str, bytes)) or not len(prompts):
+    raise ValueError('prompts must be a non-empty list of strings or token-id lists')
+  ids = []
+  for p in prompts:
+    if isinstance(p, str):
+      row = tokenizer.encode(p)
+    else:
+      try:
+        row = [int(t) for t in p]
+      except (TypeError, ValueError) as e:
+        raise ValueError(f'a prompt must be a string or a list of token ids, got {p!r:.60}') \
+            from e
+    if not row:
+      raise ValueError('empty prompt: give prompt text or token ids')
+    bad = [t for t in row if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f'prompt token ids {bad[:5]} out of range for vocab size {vocab_size}')
+    if len(row) + max_new_tokens > max_total:
+      raise ValueError(f'prompt of {len(row)} tokens + max_new_tokens={max_new_tokens} '
+                       f'exceeds the model context of {max_total} tokens')
+    ids.append(row)
+  return ids
+
+
+def row_tokens(tokens_BL: np.ndarray, end_B, start_B=None) -> list[list[int]]:
+  """Per-row lists tokens[b, start_b:end_b] (start 0 when not given)."""
+  start_B = np.zeros_like(end_B) if start_B is None else start_B
+  return [tokens_BL[b, start_B[b]:end_B[b]].tolist() for b in range(len(end_B))]
+
+
+def generated_ids(state) -> list[list[int]]:
+  """Generated token ids of each row of a decode state (prompt excluded)."""
+  import jax
+  tokens, lens, nums = jax.device_get((state.tokens_BL, state.prompt_len_B,
+                                       state.num_tokens_B))
+  return row_tokens(tokens, nums, lens)
