@@ -1,32 +1,41 @@
-"""Speed-of-light bound on τ from the target's measured per-token entropy.
+"""Speed of light for τ: the Pankratov–Alistarh bound at T > 0, an oracle ceiling at T = 0.
 
-Pankratov & Alistarh (arXiv 2512.11718; EACL 2026), `reference/serving_anchors.md` §5: for
-any deterministic speculative algorithm whose verifier checks P tokens per step, the
-expected number of accepted tokens per step is at most
+T > 0, `sol_bound`. Pankratov & Alistarh, "Speculative Decoding Speed-of-Light: Optimal
+Lower Bounds via Branching Random Walks" (arXiv 2512.11718; EACL 2026 long paper 301,
+pp. 6404-6418), abstract: for any *deterministic* speculative generation algorithm whose
+verifier checks P tokens in parallel, the expected number of tokens successfully predicted
+per speculative iteration satisfies
 
-    E[X] <= (μ + μ₂) · ln P / μ² + O(1),
+    E[X] <= (μ + μ₂) · log P / μ² + O(1),
 
-μ = mean over positions of the verifier's next-token entropy H_t = −Σ p log p (nats),
-μ₂ = mean of M_t = Σ p (log p)² (the arXiv "second log-moment"; the EACL wording, the mean
-of H_t², is reported as `sol_bound_eacl`). Both are measured by teacher-forcing the target
-on its own AR outputs (prompt + continuation) at every generated position, with p the
-distribution the verifier samples from (temperature, top-k, top-p applied).
+μ the expected entropy of the verifier's output distribution and μ₂ its "expected second
+log-moment" (arXiv; EACL: "this entropy's second moment"); `reference/serving_anchors.md`
+§5. The often-quoted log P / μ is only the first term of this bound, not a bound. We take
+μ = mean of H_t = -Σ p log p (nats) and μ₂ = mean of M_t = Σ p (log p)² over the generated
+positions of the target's own AR outputs at the run's temperature, with p the distribution
+the verifier samples from (temperature, top-k, top-p applied); M_t >= H_t² (Jensen), so
+this reading of μ₂ is the larger, safer one. For a chain of γ drafts, P = γ + 1 and
 
-What we report per row (a chain of γ drafts, so P = γ + 1):
+    sol_bound = min(P, 1 + (μ + μ₂) · ln P / μ²):
 
-    sol_bound = min(P, 1 + (μ + μ₂) · ln P / μ²)
+the 1 adds the verifier's own token (τ counts it, E[X] may not), the cap is τ's trivial
+limit and the O(1) is dropped. It covers drafters whose proposals are deterministic given
+the context (one-hot q: n-gram, suffix, DFlash, greedy MTP). Drafters that sample their
+proposals from q and are verified against the full q fall outside it: rejection sampling
+couples the verifier's sample to the draft, and q = p accepts everything (τ = P).
 
-The 1 adds the bonus token (τ counts it, E[X] does not), the cap is τ's trivial limit, and
-the O(1) term is dropped, so this is the bound's leading-order estimate, not a strict
-upper bound. At T = 0 the verifier is a point mass and the bound says nothing; there μ and
-μ₂ are measured on the T = 1 distribution along the greedy outputs (`sol_temperature`),
-which gauges how predictable the text is for the model.
+T = 0, `greedy_oracle_ceiling`. The target is a point mass and the bound says nothing.
+The ceiling is the τ of an oracle that proposes the target's own greedy continuation with
+the same verify width: every verify step commits min(P, remaining) tokens, so it follows
+from the AR outputs' lengths alone. Greedy speculative outputs equal AR's, so no drafter
+with that width can beat it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +47,7 @@ from dspec.decoding.sampling import SamplingSpec, processed_probs
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _entropy_moments(graphdef, params, spec: SamplingSpec, tokens_BL, temperature, top_p):
-  """(H, M, H²) per position [B, L] of the distribution predicting the next token."""
+  """(H, M) per position [B, L] of the distribution predicting the next token."""
   target = nnx.merge(graphdef, params)
   logits = target(tokens_BL).logits_BTV
   b, t, v = logits.shape
@@ -49,10 +58,14 @@ def _entropy_moments(graphdef, params, spec: SamplingSpec, tokens_BL, temperatur
 
 
 class EntropyMeter:
-  """Accumulates per-token entropy moments over the generated positions of AR runs."""
+  """Accumulates per-token entropy moments over the generated positions of AR runs at the
+  run's temperature (T > 0)."""
 
   def __init__(self, graphdef, params, temperature: float, top_k: int, top_p: float):
-    self.temperature = temperature if temperature > 0 else 1.0
+    if not temperature > 0:
+      raise ValueError(f'EntropyMeter needs temperature > 0 (the bound says nothing at '
+                       f'T = 0; use greedy_oracle_ceiling), got {temperature}')
+    self.temperature = temperature
     self._spec = SamplingSpec(greedy=False, top_k=int(top_k), use_top_p=top_p < 1.0)
     self._top_p = top_p
     self._graphdef, self._params = graphdef, params
@@ -84,3 +97,42 @@ def sol_bound(mu: float, mu2: float, verify_width: int) -> float:
   if mu <= 0:
     return float(verify_width)
   return float(min(verify_width, 1.0 + (mu + mu2) * math.log(verify_width) / mu ** 2))
+
+
+def greedy_oracle_ceiling(outputs: Sequence[Sequence[int]], verify_width: int,
+                          prefill_tokens: int = 1) -> float:
+  """Token-weighted τ of an oracle proposing the target's own greedy continuation.
+
+  outputs: the AR-generated ids of each prompt (stop token included, as committed);
+  verify_width: P = drafts + 1, the most tokens one verify step commits (the largest
+  width used when it varies); prefill_tokens: tokens each prompt gets from the prefill,
+  which is no verify step. Each verify step commits min(P, remaining) tokens, so the
+  ceiling is Σ tokens / Σ ceil(tokens / P) over the prompts; 1.0 with no verify step.
+  """
+  if verify_width < 1:
+    raise ValueError(f'verify_width must be >= 1, got {verify_width}')
+  tokens = [max(len(ids) - prefill_tokens, 0) for ids in outputs]
+  steps = sum(-(-n // verify_width) for n in tokens)
+  return sum(tokens) / steps if steps else 1.0
+
+
+def speed_of_light(temperature: float, verify_width: int, entropy: Optional[dict] = None,
+                   ar_outputs: Optional[Sequence[Sequence[int]]] = None,
+                   sampled_proposals: bool = False) -> dict:
+  """A benchmark row's ceilings; None where one does not apply.
+
+  sol_bound: T > 0 only, from `entropy` (`EntropyMeter.moments()` at that temperature), and
+  not for drafters that sample their proposals (module docstring). greedy_oracle_ceiling:
+  T = 0 only, from the AR outputs of the same prompts.
+  """
+  bound = ceiling = None
+  if temperature > 0:
+    if entropy is None:
+      raise ValueError('speed_of_light at T > 0 needs the entropy moments')
+    if not sampled_proposals:
+      bound = sol_bound(entropy['entropy_mu'], entropy['entropy_mu2'], verify_width)
+  else:
+    if ar_outputs is None:
+      raise ValueError('speed_of_light at T = 0 needs the AR outputs')
+    ceiling = greedy_oracle_ceiling(ar_outputs, verify_width)
+  return {'sol_bound': bound, 'greedy_oracle_ceiling': ceiling}
