@@ -7,9 +7,9 @@ Top-p keeps the smallest prefix of the tokens sorted by probability whose mass r
 top_p, and every token tied with the last one kept. Equivalently, token j is kept iff the
 mass of the tokens strictly more probable than j is < top_p. No full-vocabulary sort: with
 top-k on, the cut is read from the sorted top-k set; otherwise an exact search over the
-float bit patterns of the probabilities finds it (`top_p_threshold`). Sums run
-in another order than a sorted cumsum, so a token whose preceding mass equals top_p to
-within float rounding may fall on either side; everything else matches the sort.
+float bit patterns of the probabilities finds it (`top_p_threshold`). Its sums run in
+another order than a sorted cumsum, so a token whose preceding mass equals top_p to within
+float rounding may fall on either side; every other token gets the sort's decision.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SamplingSpec:
   """Static sampling knobs (hashable; part of the compiled program).
 
   greedy: argmax decoding (temperature 0). top_k: 0 disables. use_top_p: whether the
-  runtime `top_p` array is applied (kept static so greedy/plain sampling skip the sort).
+  runtime `top_p` array is applied (kept static so greedy/plain sampling skip its search).
   """
 
   greedy: bool = True
@@ -45,9 +45,10 @@ class SamplingSpec:
 
 def _search_plan() -> tuple:
   """(row by row, probes per pass) of the top-p search. CPU: one row at a time (it stays in
-  cache across passes), bisection. Accelerators: all rows at once, 255 probes (8 bits) per
-  pass, since a pass costs about one kernel launch whatever its width."""
-  return (True, 1) if jax.default_backend() == 'cpu' else (False, 255)
+  cache across passes), bisection. Accelerators: all rows at once, 15 probes (4 bits) per
+  pass: a pass is one fused reduction, so fewer, wider passes save launches and loop
+  syncs, while the probe work (rows x vocab x probes) stays small up to batch 64."""
+  return (True, 1) if jax.default_backend() == 'cpu' else (False, 15)
 
 
 def processed_probs(logits_NV, spec: SamplingSpec, temperature, top_p):

@@ -84,7 +84,7 @@ def _check(logits, spec, temperature, top_p, plan=(True, 1)):
 
 
 # (row by row, probes per pass): the CPU plan, batched bisection, the accelerator plan.
-@pytest.mark.parametrize('plan', [(True, 1), (False, 1), (False, 4), (False, 255)])
+@pytest.mark.parametrize('plan', [(True, 1), (False, 1), (False, 4), (False, 15)])
 @pytest.mark.parametrize('kind', ['peaked', 'flat', 'ties', 'mixed', 'zipf'])
 def test_top_p_matches_sort(kind, plan):
   spec = SamplingSpec(greedy=False, top_k=0, use_top_p=True)
