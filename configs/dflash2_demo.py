@@ -1,0 +1,39 @@
+"""DFlash-2 drafter for the demo target: the DFlash demo recipe plus the conv tail and the
+candidate selector (training.task = dflash2, `dspec/models/dflash2.py`).
+
+Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+  python scripts/train.py --config=configs/dflash2_demo.py:layers=1,steps=2000 \
+      --config.training.batch_size=16 --workdir=runs/dflash2_demo
+  python scripts/decode.py --config=configs/dflash2_demo.py --config.compare_ar=True
+  python scripts/export_drafter.py --path=runs/dflash2_demo/final --out=/tmp/dflash2_zlab
+Arguments: those of configs/dflash_demo.py (layers, block, steps, minutes, data, tiny),
+except vocab and bd3lm (DFlash-2 uses the full vocabulary and its own objective). The
+shipped DFlash drafter's budget is layers=1, steps=2000, batch 16 (docs/RESULTS.md).
+DFlash-2 knobs (--config.dflash.<key>): conv_kernel_size (taps along the block),
+conv_group_size (channels per dynamic kernel), selector_rank (r), selector_top_k (K),
+selector_loss_alpha (α of the K-way selector CE).
+Expected: training logs loss (DFlash loss + α·sel_loss), unary_loss, sel_loss, acc1,
+tau_est (unary greedy τ estimate), sel_tau_est (the selector walk's teacher-forced τ
+estimate) and recall (gold in the unary top-K), and exports <workdir>/final.
+"""
+
+from configs import dflash_demo
+
+
+def get_config(arg=None):
+  cfg = dflash_demo.get_config(arg)
+  if cfg.training.task != 'dflash' or cfg.dflash.draft_vocab_size:
+    raise ValueError('dflash2_demo takes no bd3lm or vocab argument (DFlash-2 trains its own '
+                     'objective over the full vocabulary)')
+  cfg.training.task = 'dflash2'
+  cfg.drafters.dflash.path = 'runs/dflash2_demo/final'
+  cfg.dflash.update({
+      'conv_kernel_size': 2,       # taps along the block (z-lab's DFlash-2: 2)
+      'conv_group_size': 16,       # channels sharing one dynamic kernel (z-lab: 16)
+      'selector_rank': 256,        # r of the predecessor/successor codebooks
+      'selector_top_k': 16,        # K candidates per slot
+      'selector_loss_alpha': 1.0,  # loss = DFlash loss + α · K-way selector CE
+  })
+  if cfg.dflash.block_size <= 4:   # the tiny preset
+    cfg.dflash.update(selector_rank=8, selector_top_k=4)
+  return cfg
