@@ -149,6 +149,13 @@ class TrainLayerMask(AttentionMask):
       raise ValueError(f'anchors must have shape [{batch}, {n}], got {anchors.shape}')
     return jnp.broadcast_to(anchors, (batch, n))
 
+  def max_kv_tiles(self, q_len, kv_len, block_q, block_kv):
+    # Context tiles, plus the own-block keys of one q tile's rows (a range of at most
+    # block_q + 2 (B − 1) keys), as `DFlashTrainMask`.
+    own_keys = block_q + 2 * (self.block_size - 1)
+    bound = -(-self.context_len // block_kv) + -(-own_keys // block_kv) + 1
+    return min(bound, -(-kv_len // block_kv))
+
   def _rows(self, q_idx, anchors_N):
     block = q_idx // self.block_size
     return block, q_idx % self.block_size, jnp.take(anchors_N, block, mode='clip')
