@@ -78,6 +78,7 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.batch_size = 1
   cfg.drafter = 'none'        # none | ngram | suffix | oracle | self | mtp | dflash
   cfg.compare_ar = False
+  cfg.verify_length = 'auto'  # auto: the load-aware controller picks it | fixed: num_draft
   cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device
   cfg.sharding_rules = sharding.DEFAULT_RULES
   cfg.distributed = False     # True: jax.distributed.initialize() first (multi-host)

@@ -4,7 +4,6 @@ import os
 
 import matplotlib
 import nbformat
-import pytest
 
 from conftest import REPO_ROOT
 
@@ -12,8 +11,6 @@ matplotlib.use('Agg')
 
 
 def test_quickstart_code_cells_run(tmp_path, monkeypatch):
-  if not os.path.isdir(os.path.join(REPO_ROOT, '..', 'shared', 'data')):
-    pytest.skip('../shared/data is not beside the repo')
   monkeypatch.setenv('DSPEC_QUICKSTART_PRESET', 'tiny')
   monkeypatch.setenv('DSPEC_QUICKSTART_WORKDIR', str(tmp_path))
   monkeypatch.setenv('DSPEC_REPO', REPO_ROOT)

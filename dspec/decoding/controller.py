@@ -97,10 +97,10 @@ class ControllerConfig:
 # ---------------------------------------------------------------------------- tiers
 
 def tier_drafter(drafter, gamma: int):
-  """`drafter` proposing `gamma` tokens (`with_num_draft`; tier 0 truncates it to nothing),
-  or None when it cannot."""
-  if gamma == 0:
-    return TruncatedDrafter(drafter, 0)
+  """`drafter` proposing `gamma` tokens: its proposal truncated (tier 0, and drafters that
+  draft a whole block in one pass), else `with_num_draft`; None when it cannot."""
+  if gamma == 0 or (drafter.truncate_for_tiers and gamma <= drafter.num_draft):
+    return TruncatedDrafter(drafter, gamma)
   try:
     return drafter.with_num_draft(gamma)
   except ValueError:
@@ -404,6 +404,13 @@ class VerifyLengthController:
       hist, prev = new_hist, g
     self.last_trace = trace
     return state
+
+  def tier_steps(self) -> dict:
+    """{tier: verify steps summed over rows} of the last `generate`."""
+    out = {}
+    for g, n, _ in self.last_trace:
+      out[g] = out.get(g, 0) + n
+    return out
 
   def tier_usage(self) -> dict:
     """{tier: fraction of row-steps} of the last `generate`."""

@@ -20,6 +20,9 @@ Contract:
                    tiers), or ValueError when it cannot.
   taps             target layers whose residual outputs `prefill_out` / `verify_out` carry.
   check_target     ValueError (one line) when the drafter does not fit the target.
+  truncate_for_tiers  True for drafters that make their whole block in one pass: a
+                   smaller controller tier verifies a prefix of their proposal instead of
+                   rebuilding them with fewer drafts.
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts).
 
@@ -51,6 +54,7 @@ from dspec.decoding.state import DraftContext, Proposal
 class Drafter(Protocol):
   num_draft: int
   taps: Tuple[int, ...]
+  truncate_for_tiers: bool
 
   def init(self, params, target, ctx: DraftContext, prefill_out) -> Any: ...
 
@@ -73,6 +77,7 @@ class DrafterBase:
   """Defaults for dataclass drafters with a `num_draft` field: no taps, fits any target."""
 
   taps: Tuple[int, ...] = ()
+  truncate_for_tiers: bool = False
 
   def check_target(self, target_cfg) -> None:
     return None
@@ -166,6 +171,7 @@ class TruncatedDrafter:
 
   inner: Any
   num_draft: int
+  truncate_for_tiers = True
 
   @property
   def taps(self) -> Tuple[int, ...]:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from dspec import datasets, loading, sharding
 from dspec.decoding import drafter as drafter_lib
+from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
@@ -29,6 +30,8 @@ from dspec.decoding.sharded import ShardedEngine
 from dspec.metrics import acceptance_metrics
 
 INT32_MAX = 2**31 - 1
+VERIFY_LENGTHS = ('auto', 'fixed')
+CONTROLLER_TIERS = (0, 1, 3, 7, 15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +141,34 @@ def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
   return {'first_token': int(tokens[int(prompt_len)]), 'steps': steps}
 
 
+def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
+                       verify_length: str = 'auto', trace: bool = False):
+  """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
+  picks each chunk's verify length from CONTROLLER_TIERS (up to the drafter's num_draft;
+  tier 0 is plain AR); with 'fixed' (and for AR or host-side drafters) every step
+  verifies the drafter's whole proposal."""
+  if verify_length not in VERIFY_LENGTHS:
+    raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
+  gamma = drafter.num_draft
+  if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
+    return SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
+                             trace=trace)
+  tiers = tuple(sorted({g for g in CONTROLLER_TIERS if g < gamma} | {gamma}))
+  return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
+                                config=ControllerConfig(tiers=tiers), trace=trace)
+
+
 def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None, *,
            settings: Settings = Settings(), batch_size: int = 0, compare_ar: bool = False,
-           trace: bool = False, placement: Optional[sharding.Placement] = None,
+           verify_length: str = 'auto', trace: bool = False,
+           placement: Optional[sharding.Placement] = None,
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
   batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
   `compare_ar`, AR runs first on the same prompts and the report gets `speedup` (AR decode
-  time / this decode time) and `lossless` (greedy: outputs equal AR's).
+  time / this decode time) and `lossless` (greedy: outputs equal AR's). verify_length:
+  see `speculative_engine` (a mesh `placement` runs 'fixed').
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
   drafter = drafter or drafter_lib.NoDrafter()
@@ -169,8 +191,12 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
     ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B, settings)
   progress('decoding' if not settings.timing_repeats else
            f'decoding (warm-up + {settings.timing_repeats} timed runs)')
-  engine = wrap(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
-                                  stop_ids=stop_ids, trace=trace))
+  if placement:
+    engine = ShardedEngine(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
+                                             stop_ids=stop_ids, trace=trace), placement)
+  else:
+    engine = speculative_engine(graphdef, drafter, spec, stop_ids,
+                                verify_length=verify_length, trace=trace)
   run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
                          settings, drafter_lib.host_drafter_factory(drafter))
   state = run['state']
@@ -180,7 +206,12 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       method=registry.name_of(drafter), temperature=settings.temperature,
       batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
-      decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'])
+      decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
+      verify_length='auto' if isinstance(engine, VerifyLengthController) else 'fixed')
+  tiers = None
+  if isinstance(engine, VerifyLengthController):
+    metrics['tier_steps'] = engine.tier_steps()
+    tiers = engine.row0_tiers
   if ar is not None:
     ar_ids = generated_ids(ar['state'])[:len(rows)]
     metrics.update(ar_tokens_per_s=ar['tokens_per_s'], ar_decode_s=ar['decode_s'],
@@ -194,7 +225,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   return {
       'texts': [target.tokenizer.decode(r) for r in ids], 'ids': ids, 'metrics': metrics,
       'per_prompt': per_prompt,
-      'trace': trace_of(state) if trace else None,
+      'trace': trace_of(state, tiers) if trace else None,
   }
 
 
@@ -234,8 +265,9 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   progress(f'building the {cfg.drafter} drafter')
   drafter, drafter_params = registry.build_drafter(cfg, model)
   out = decode(target, prompts, drafter, drafter_params, settings=settings,
-               batch_size=cfg.batch_size, compare_ar=cfg.compare_ar, trace=trace,
-               placement=placement, progress=progress)
+               batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
+               verify_length=cfg.verify_length, trace=trace, placement=placement,
+               progress=progress)
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

@@ -109,9 +109,9 @@ def test_sol_bound_formula():
 
 
 def test_mt_bench_group_interleaves_categories():
-  prompts = harness.load_dataset('spec_bench/mt_bench', '../shared/data', 16)
+  prompts = harness.load_dataset('spec_bench/mt_bench', 'data', 16)
   assert len(prompts) == 16 and len(set(prompts)) == 16
-  writing = harness.load_dataset('spec_bench/writing', '../shared/data', 2)
+  writing = harness.load_dataset('spec_bench/writing', 'data', 2)
   assert prompts[0] == writing[0] and prompts[8] == writing[1]
 
 

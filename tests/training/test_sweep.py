@@ -9,9 +9,6 @@ from configs import distill_demo, mtp_ablation
 from dspec.checkpoint import read_model_metadata
 from dspec.training import distill, sweep
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), '..', '..', '..', 'shared', 'data')
-
-
 def test_variant_config_applies_overrides_and_rejects_unknown_keys():
   base = mtp_ablation.get_config('tiny')
   cfg = sweep.variant_config(base, (('mtp.concat_order', 'hidden_first'),
@@ -25,10 +22,7 @@ def test_variant_config_applies_overrides_and_rejects_unknown_keys():
 
 
 def test_tiny_mtp_sweep_trains_each_variant_and_writes_the_table(tmp_path):
-  if not os.path.isdir(DATA_DIR):
-    pytest.skip('../shared/data is not beside the repo')
   dcfg = distill_demo.get_config('tiny')
-  dcfg.data_dir = DATA_DIR
   data_dir = str(tmp_path / 'distilled')
   distill.distill(dcfg, data_dir)
   cfg = mtp_ablation.get_config('tiny')

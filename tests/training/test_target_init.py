@@ -1,6 +1,5 @@
 """`training.init_from` starts target (and joint MTP) training from a saved target."""
 
-import os
 
 import jax
 import numpy as np
@@ -13,14 +12,8 @@ from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 from dspec.training import target_lm
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), '..', '..', '..', 'shared', 'data')
-
-
 def test_init_from_loads_the_saved_target_and_checks_its_shape(tmp_path):
-  if not os.path.isdir(DATA_DIR):
-    pytest.skip('../shared/data is not beside the repo')
   cfg = demo_target.get_config('quick')
-  cfg.data_dir = DATA_DIR
   shape = TransformerConfig(**cfg.model.shape)
   saved = Transformer(shape, rngs=nnx.Rngs(7))
   path = str(tmp_path / 'saved')

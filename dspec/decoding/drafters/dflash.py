@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models import dflash as dflash_model
 from dspec.models.config import TransformerConfig
@@ -35,11 +35,13 @@ from pallas_kernels.block_attention import DFlashDraftMask
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashDrafter(DrafterBase):
   """Engine drafter around a DFlash model (`dspec.models.dflash`); params are
   `nnx.split(model)[1]`. It drafts `num_draft` tokens per step: the inference block is
   the anchor plus `num_draft` masks, at most the trained block.
   """
+
+  truncate_for_tiers = True   # one pass drafts the block: tiers verify a prefix of it
 
   graphdef: Any
   config: DFlashConfig
@@ -64,9 +66,6 @@ class DFlashDrafter:
   @property
   def block_size(self) -> int:
     return self.num_draft + 1
-
-  def with_num_draft(self, num_draft: int) -> 'DFlashDrafter':
-    return dataclasses.replace(self, num_draft=num_draft)
 
   @property
   def taps(self) -> Tuple[int, ...]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.sampling import processed_probs, sample_from_probs
-from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.kv_cache import KVCache
@@ -53,7 +53,7 @@ class MTPState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter:
+class MTPDrafter(DrafterBase):
   """MTP drafting with `num_draft` depths (<= trained D, or any count with shared_depth).
 
   sample_proposals: at T > 0, sample each draft from the processed depth distribution
@@ -72,9 +72,6 @@ class MTPDrafter:
       raise ValueError(f'drafters.mtp.num_draft={self.num_draft} exceeds the '
                        f'{self.config.num_depths} trained depths (only a shared_depth MTP '
                        'can recurse further)')
-
-  def with_num_draft(self, num_draft: int) -> 'MTPDrafter':
-    return dataclasses.replace(self, num_draft=num_draft)
 
   @classmethod
   def from_model(cls, mtp: MTP, num_draft: int = 0, sample_proposals: bool = False):

@@ -31,7 +31,7 @@ DEFAULTS = {
     'oracle': {'num_draft': 8, 'acceptance': [0.8]},
     'self': {'num_draft': 4},
     'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False},
-    'dflash': {'path': '', 'num_draft': 15, 'denoise_steps': 1, 'attention_impl': 'xla'},
+    'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'attention_impl': 'xla'},
 }
 
 # Draft-length names before `num_draft` became the one knob: config path -> the new field.

@@ -1,0 +1,80 @@
+"""The Python API: load_target, load_drafter, generate (texts, ids, metrics, traces, errors)."""
+
+import pytest
+from flax import nnx
+
+import dspec
+from configs import common
+from dspec import checkpoint
+from dspec.models.config import TransformerConfig
+from dspec.models.transformer import Transformer
+
+PROMPTS = ['abcabcabc', 'hello hello']
+
+
+@pytest.fixture(scope='module')
+def target(tmp_path_factory):
+  """A tiny random target (byte vocabulary) saved as a dspec checkpoint, then loaded."""
+  path = str(tmp_path_factory.mktemp('api') / 'target')
+  cfg = TransformerConfig(**common.MODEL_PRESETS['tiny'])
+  checkpoint.save_model(path, Transformer(cfg, rngs=nnx.Rngs(0)), kind='target',
+                        config=cfg.to_dict())
+  return dspec.load_target(path)
+
+
+@pytest.fixture(scope='module')
+def ar(target):
+  return dspec.generate(target, PROMPTS, max_new_tokens=12)
+
+
+def test_generate_returns_texts_ids_and_metrics(target, ar):
+  assert len(ar.texts) == len(ar.ids) == len(ar.per_prompt) == 2
+  assert all(len(ids) == 12 for ids in ar.ids)
+  assert ar.texts[0] == target.tokenizer.decode(ar.ids[0])
+  assert ar.metrics['method'] == 'ar' and ar.metrics['tau'] == 1.0
+  assert ar.metrics['new_tokens'] == 24 and ar.trace is None
+  ids = [target.tokenizer.encode(p) for p in PROMPTS]
+  assert dspec.generate(target, ids, max_new_tokens=12).ids == ar.ids
+
+
+@pytest.mark.parametrize('verify_length', ['fixed', 'auto'])
+def test_a_drafter_gives_the_ar_output(target, ar, verify_length):
+  drafter = dspec.load_drafter('ngram', target=target, num_draft=4)
+  out = dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
+                       compare_ar=True, verify_length=verify_length, trace=True)
+  assert out.ids == ar.ids and out.metrics['lossless'] is True
+  assert out.metrics['verify_length'] == verify_length
+  steps = out.trace['steps']
+  assert len(steps) == len(out.metrics['acceptance_lengths'])
+  committed = [out.trace['first_token']] + [t for s in steps for t in s['committed']]
+  assert committed == ar.ids[0]
+  for s in steps:
+    assert s['accepted'] <= len(s['proposed']) <= 4
+    assert s['committed'][:s['accepted']] == s['proposed'][:s['accepted']]
+  if verify_length == 'auto':
+    assert all('tier' in s for s in steps)
+
+
+def test_bad_arguments_name_the_problem(target):
+  with pytest.raises(ValueError, match='out of range'):
+    dspec.generate(target, [[1, 2, 999]])
+  with pytest.raises(ValueError, match='top_p'):
+    dspec.generate(target, PROMPTS, temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match='temperature'):
+    dspec.generate(target, PROMPTS, temperature=-1.0)
+  with pytest.raises(ValueError, match='temperature'):
+    dspec.generate(target, PROMPTS, temperature=float('nan'))
+  with pytest.raises(ValueError, match='non-empty'):
+    dspec.generate(target, [])
+  with pytest.raises(ValueError, match='empty prompt'):
+    dspec.generate(target, [[]])
+  with pytest.raises(ValueError, match='wrap a single prompt'):
+    dspec.generate(target, 'abc')
+  with pytest.raises(ValueError, match='token ids'):
+    dspec.generate(target, [['a', 'b']])
+  with pytest.raises(ValueError, match='unknown drafter'):
+    dspec.load_drafter('eagle9', target=target)
+  with pytest.raises(ValueError, match="no field 'draft_len'"):
+    dspec.load_drafter('ngram', target=target, draft_len=4)
+  with pytest.raises(ValueError, match='neither a dspec checkpoint'):
+    dspec.load_target('/nonexistent/dir')
