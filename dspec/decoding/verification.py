@@ -18,10 +18,20 @@ def _leading_true(ok_BG):
   return jnp.sum(jnp.cumprod(ok_BG.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
+def first_argmax(logits_NV):
+  """jnp.argmax (first index of the maximum) as max + min index: XLA CPU runs argmax's
+  variadic reduce ~9x slower (16 vs 1.8 ms on [256, 8192]). A row without a maximum
+  (NaN) gets the last index instead of the NaN's."""
+  vocab = logits_NV.shape[-1]
+  is_max = logits_NV == jnp.max(logits_NV, axis=-1, keepdims=True)
+  first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+  return jnp.minimum(first, vocab - 1)
+
+
 def greedy_verify(draft_BG, num_proposed_B, logits_BG1V):
   """Accept while draft == target argmax; the emitted tokens are the target argmaxes."""
   g = draft_BG.shape[1]
-  argmax_BG1 = jnp.argmax(logits_BG1V, axis=-1).astype(jnp.int32)
+  argmax_BG1 = first_argmax(logits_BG1V)
   ok = (draft_BG == argmax_BG1[:, :g]) & (jnp.arange(g)[None, :] < num_proposed_B[:, None])
   return _leading_true(ok), argmax_BG1
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from unittest import mock
 
-from dspec.decoding import sampling
+from dspec.decoding import sampling, verification
 from dspec.decoding.sampling import SamplingSpec, processed_probs
 
 
@@ -131,3 +131,9 @@ def test_no_full_vocabulary_sort(top_k, use_top_p):
   fn = jax.jit(lambda x: processed_probs(x, spec, 0.7, 0.9))
   hlo = fn.lower(jnp.zeros((2, 3, 1024))).compile().as_text()
   assert ' sort(' not in hlo
+
+
+def test_first_argmax_matches_argmax_with_ties():
+  logits = _logits(3, (4, 5, 256), 'ties')
+  np.testing.assert_array_equal(verification.first_argmax(logits), jnp.argmax(logits, -1))
+  assert int(verification.first_argmax(jnp.full((1, 8), -jnp.inf))[0]) == 0
