@@ -39,7 +39,7 @@ def _random_dflash(cfg, target):
       target.cfg.num_layers, num_layers=_RANDOM_LAYERS.value,
       block_size=(cfg.drafters.dflash.num_draft or 15) + 1, mask_token_id=1,
       draft_vocab=vocab)
-  return dflash.DFlashDrafter.create(dflash_model.DFlashDrafter(dcfg, target.cfg,
+  return dflash.DFlashDrafter.create(dflash_model.DFlashModel(dcfg, target.cfg,
                                                                 rngs=nnx.Rngs(0)))
 
 

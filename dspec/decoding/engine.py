@@ -8,7 +8,8 @@ target over the whole prompt and commits the first token from its last logits (T
 Every step then verifies [anchor, d_1..d_γ] in one target forward, where the anchor is the
 last committed token (not yet in the target cache) and the drafts are what the drafter
 proposed from the committed context. Near the end of the budget a row verifies at most
-`remaining - 1` drafts, so nothing past `max_new_tokens` counts as proposed or accepted.
+`remaining` drafts (z-lab's shrinking verify size: all may be accepted; the bonus token
+past the budget is dropped), so nothing past `max_new_tokens` counts.
 
 One step driver: `run_fn` runs steps inside one `lax.while_loop` until every row is done,
 `max_steps` steps ran, or (`until_row_done`) some live row finished. `generate`, the
@@ -73,7 +74,8 @@ class SpeculativeEngine:
 
   def context(self, state: DecodeState) -> DraftContext:
     return DraftContext(state.tokens_BL, state.num_tokens_B, self.sampling,
-                        state.temperature, state.top_p)
+                        state.temperature, state.top_p,
+                        state.max_new_tokens - state.generated_B())
 
   def _pick(self, logits_BV, key, temperature, top_p):
     """The token the target alone would emit from these logits."""
@@ -125,7 +127,7 @@ class SpeculativeEngine:
                                       key_draft)
     g = proposal.tokens_BG.shape[1]
     remaining_B = state.max_new_tokens - state.generated_B()
-    num_proposed_B = jnp.clip(jnp.minimum(proposal.num_proposed_B, remaining_B - 1), 0, g)
+    num_proposed_B = jnp.clip(jnp.minimum(proposal.num_proposed_B, remaining_B), 0, g)
 
     # Verify [anchor, d1..dγ] at positions start..start+γ in one target forward.
     anchor_B = state.tokens_BL[rows, state.num_tokens_B - 1]
@@ -140,7 +142,7 @@ class SpeculativeEngine:
       n_B, emitted_BG1 = rejection_verify(key_verify, proposal.tokens_BG, num_proposed_B,
                                           proposal.q_BGV, p_BG1V)
 
-    # Commit: cut at the first stop token; done rows write nothing.
+    # Commit: cut at the first stop token and at the budget; done rows write nothing.
     live_B = ~state.done_B
     j = jnp.arange(g + 1)[None, :]
     is_stop = jnp.zeros_like(emitted_BG1, bool)
@@ -148,7 +150,8 @@ class SpeculativeEngine:
       is_stop |= emitted_BG1 == sid
     is_stop &= j <= n_B[:, None]
     first_stop_B = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), g + 1)
-    count_B = jnp.where(live_B, jnp.minimum(n_B + 1, first_stop_B + 1), 0)
+    count_B = jnp.minimum(jnp.minimum(n_B + 1, first_stop_B + 1), remaining_B)
+    count_B = jnp.where(live_B, count_B, 0)
     pos_BG1 = state.num_tokens_B[:, None] + j
     pos_BG1 = jnp.where(j < count_B[:, None], pos_BG1, state.tokens_BL.shape[1])
     tokens_BL = state.tokens_BL.at[rows[:, None], pos_BG1].set(emitted_BG1, mode='drop')

@@ -23,6 +23,7 @@ class DraftContext(NamedTuple):
   sampling: Any = None          # SamplingSpec (static), for drafters that sample
   temperature: Any = None
   top_p: Any = None
+  remaining_B: Any = None       # tokens each row may still commit (the budget left)
 
 
 class Proposal(NamedTuple):

@@ -192,7 +192,7 @@ class BD3LMContextMask(BD3LMMask):
     return self
 
 
-class DFlashDrafter(nnx.Module):
+class DFlashModel(nnx.Module):
   """The drafter's own weights: fusion (fc + hidden_norm), n decoder layers, final norm.
 
   `target_cfg` gives the layer shapes (`layer_cfg` is it with `num_layers` draft layers)
@@ -328,7 +328,7 @@ class DFlashDrafter(nnx.Module):
     return self.norm(x_BTD)
 
 
-def save_dflash(path, drafter: DFlashDrafter, *, storage_dtype: str = 'float32',
+def save_dflash(path, drafter: DFlashModel, *, storage_dtype: str = 'float32',
                 force: bool = False, extra: dict | None = None) -> None:
   """`checkpoint.save_model` with the drafter's and the target's configs (kind 'dflash',
   or 'dflash2' for a DFlash-2 drafter)."""
@@ -339,7 +339,7 @@ def save_dflash(path, drafter: DFlashDrafter, *, storage_dtype: str = 'float32',
                         storage_dtype=storage_dtype, extra=extra, force=force)
 
 
-def load_dspec_checkpoint(path, drafter_class=DFlashDrafter, config_class=DFlashConfig,
+def load_dspec_checkpoint(path, drafter_class=DFlashModel, config_class=DFlashConfig,
                           **overrides):
   """Loads a dspec checkpoint of `drafter_class.checkpoint_kind`; `overrides` replace
   config fields (e.g. attention_impl)."""
@@ -356,13 +356,13 @@ def load_dspec_checkpoint(path, drafter_class=DFlashDrafter, config_class=DFlash
   return drafter
 
 
-def load_dflash(path, **overrides) -> DFlashDrafter:
+def load_dflash(path, **overrides) -> DFlashModel:
   """Loads a `kind='dflash'` checkpoint; `overrides` replace DFlashConfig fields (e.g.
   attention_impl)."""
   return load_dspec_checkpoint(path, **overrides)
 
 
-def load_drafter(path, **overrides) -> DFlashDrafter:
+def load_drafter(path, **overrides) -> DFlashModel:
   """A DFlash or DFlash-2 drafter from a dspec checkpoint ('dflash' / 'dflash2') or a
   z-lab / speculators directory (config.json + safetensors), detected from the files."""
   from dspec.models import drafter_formats

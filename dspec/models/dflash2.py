@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.models.config import TransformerConfig
-from dspec.models.dflash import DFlashConfig, DFlashDrafter, load_dspec_checkpoint
+from dspec.models.dflash import DFlashConfig, DFlashModel, load_dspec_checkpoint
 
 CHECKPOINT_KIND = 'dflash2'
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -127,8 +127,8 @@ class CandidateSelector(nnx.Module):
     return unary_BTK.astype(jnp.float32) + self.pair_scores(g_BTR, prev_BT, cand_BTK)
 
 
-class DFlash2Drafter(DFlashDrafter):
-  """DFlashDrafter with the two convolutions per layer and the candidate selector."""
+class DFlash2Model(DFlashModel):
+  """DFlashModel with the two convolutions per layer and the candidate selector."""
 
   checkpoint_kind = CHECKPOINT_KIND
 
@@ -208,7 +208,7 @@ def select_walk(selector: CandidateSelector, top_k: int, logits_BGV, hidden_BGD,
                       None if greedy else jnp.stack(qs, axis=1))
 
 
-def propose_block(drafter: DFlash2Drafter, target, hidden_BGD, anchor_B, *, greedy: bool,
+def propose_block(drafter: DFlash2Model, target, hidden_BGD, anchor_B, *, greedy: bool,
                   temperature=None, key=None) -> SelectorWalk:
   """DFlash-2's proposal from the drafter's block output: `hidden_BGD` = post-final-norm
   hidden of block slots 1..G (the drafter's output rows 1..b−1), `anchor_B` = the
@@ -218,6 +218,6 @@ def propose_block(drafter: DFlash2Drafter, target, hidden_BGD, anchor_B, *, gree
                      hidden_BGD, anchor_B, greedy=greedy, temperature=temperature, key=key)
 
 
-def load_dflash2(path, **overrides) -> DFlash2Drafter:
+def load_dflash2(path, **overrides) -> DFlash2Model:
   """Loads a `kind='dflash2'` dspec checkpoint; `overrides` replace config fields."""
-  return load_dspec_checkpoint(path, DFlash2Drafter, DFlash2Config, **overrides)
+  return load_dspec_checkpoint(path, DFlash2Model, DFlash2Config, **overrides)

@@ -39,12 +39,12 @@ from dspec.checkpoint import CheckpointError, leaf_paths
 from dspec.files import write_atomic, write_json_atomic
 from dspec.hf_import import _open_safetensors, _rope_theta, _tensor_files
 from dspec.models.config import TransformerConfig
-from dspec.models.dflash import DFlashConfig, DFlashDrafter, load_dspec_checkpoint
-from dspec.models.dflash2 import DFlash2Config, DFlash2Drafter
+from dspec.models.dflash import DFlashConfig, DFlashModel, load_dspec_checkpoint
+from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 
 ZLAB_ARCHITECTURES = {'DFlashDraftModel': 'dflash', 'DFlash2DraftModel': 'dflash2'}
 SPECULATORS_TYPES = ('dflash', 'dflash2')
-_CLASSES = {'dflash': (DFlashDrafter, DFlashConfig), 'dflash2': (DFlash2Drafter, DFlash2Config)}
+_CLASSES = {'dflash': (DFlashModel, DFlashConfig), 'dflash2': (DFlash2Model, DFlash2Config)}
 _DFLASH2_KEYS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 # Qwen3Config defaults z-lab falls back to when a key is absent.
 _QWEN3_DEFAULTS = {'num_key_value_heads': 32, 'head_dim': 128, 'rms_norm_eps': 1e-6,
@@ -86,7 +86,7 @@ def detect(path) -> str:
 
 
 def load(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
-         **overrides) -> DFlashDrafter:
+         **overrides) -> DFlashModel:
   """A DFlash / DFlash-2 drafter from any supported directory (see `detect`).
 
   num_target_layers: the target's depth; checked against a z-lab config, needed by a
@@ -97,7 +97,7 @@ def load(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32
   kind = detect(path)
   if kind == 'dspec':
     try:
-      return load_dspec_checkpoint(path, DFlash2Drafter, DFlash2Config, **overrides)
+      return load_dspec_checkpoint(path, DFlash2Model, DFlash2Config, **overrides)
     except CheckpointError as e:
       if "holds a 'dflash' model" not in str(e):
         raise
@@ -203,7 +203,7 @@ def _layer_shapes(keys: _Keys, num_target_layers: int, dtype: str) -> tuple:
 
 
 def _build(kind: str, path: str, cfg_fields: dict, shapes: TransformerConfig, tensors,
-           overrides: dict) -> DFlashDrafter:
+           overrides: dict) -> DFlashModel:
   drafter_class, config_class = _CLASSES[kind]
   config_file = os.path.join(path, 'config.json')
   try:
@@ -228,7 +228,7 @@ def _torch_name(dspec_name: str, codebook_suffix: bool) -> tuple:
   return name, False
 
 
-def _fill(drafter: DFlashDrafter, path: str, tensors: dict) -> None:
+def _fill(drafter: DFlashModel, path: str, tensors: dict) -> None:
   """Reads every param of the (abstract) drafter from `tensors` {name: (file, name)}."""
   state = nnx.state(drafter, nnx.Param)
   abstract = nnx.to_pure_dict(state)
@@ -265,7 +265,7 @@ def _fill(drafter: DFlashDrafter, path: str, tensors: dict) -> None:
 
 
 def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
-              **overrides) -> DFlashDrafter:
+              **overrides) -> DFlashModel:
   """A drafter from a z-lab directory (config.json + model.safetensors)."""
   path = os.fspath(path)
   file = os.path.join(path, 'config.json')
@@ -344,7 +344,7 @@ def _draft_vocab(path: str, tensors: dict, vocab: int, draft_vocab_size: int) ->
 
 
 def read_speculators(path, *, num_target_layers: Optional[int] = None,
-                     dtype: str = 'float32', **overrides) -> DFlashDrafter:
+                     dtype: str = 'float32', **overrides) -> DFlashModel:
   """A drafter from a speculators directory (speculators_model_type dflash | dflash2)."""
   path = os.fspath(path)
   file = os.path.join(path, 'config.json')
@@ -393,7 +393,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
 # ---------------------------------------------------------------------------- writing
 
 
-def zlab_config(drafter: DFlashDrafter) -> dict:
+def zlab_config(drafter: DFlashModel) -> dict:
   """The z-lab config.json of a drafter (ValueError if z-lab cannot express it)."""
   cfg, shapes = drafter.cfg, drafter.layer_cfg
   if cfg.draft_vocab:
@@ -432,7 +432,7 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
   return config
 
 
-def save_zlab(path, drafter: DFlashDrafter, *, dtype: str = 'float32') -> None:
+def save_zlab(path, drafter: DFlashModel, *, dtype: str = 'float32') -> None:
   """Writes `config.json` + `model.safetensors` in z-lab form (loadable by
   `dflash.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained`)."""
   path = os.fspath(path)

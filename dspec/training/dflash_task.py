@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashDrafter, save_dflash
-from dspec.models.dflash2 import DFlash2Config, DFlash2Drafter
+from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashModel, save_dflash
+from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
 
@@ -78,7 +78,7 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, anchor_supervised: bool 
   return jnp.where(anchors_BN == big, -1, anchors_BN).astype(jnp.int32)
 
 
-def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask_BS,
+def dflash_terms(drafter: DFlashModel, target, taps_BSND, tokens_BS, loss_mask_BS,
                  anchors_BN, gamma: float) -> dict:
   """Per-slot terms [B, N, B−1] of slots 1..B−1: ce, hit (argmax == label), weight.
 
@@ -121,14 +121,14 @@ def dflash_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, loss_mask
       'weight': decay_K * (valid_BNK & in_vocab_BNK).astype(jnp.float32),
       'block_valid': anchors_BN >= 0,
   }
-  if isinstance(drafter, DFlash2Drafter):
+  if isinstance(drafter, DFlash2Model):
     prev_pos = jnp.clip(pos_BNK[:, :, :-1], 0, s - 1).reshape(b, -1)
     prev_BNK = jnp.take_along_axis(tokens_BS, prev_pos, axis=1).reshape(labels_BNK.shape)
     terms.update(selector_terms(drafter, hidden_BNKD, logits_BNKV, labels_BNK, prev_BNK))
   return terms
 
 
-def selector_terms(drafter: DFlash2Drafter, hidden_BNKD, logits_BNKV, labels_BNK,
+def selector_terms(drafter: DFlash2Model, hidden_BNKD, logits_BNKV, labels_BNK,
                    prev_BNK) -> dict:
   """DFlash-2 selector terms [B, N, B−1]: K-way CE over the unary top-K with the gold
   injected as the K-th candidate when missing; teacher-forced predecessors."""
@@ -224,7 +224,7 @@ def bd3lm_noise(key, batch: int, seq_len: int, block_size: int, eps_min: float,
   return t_BS, drop_BS
 
 
-def bd3lm_terms(drafter: DFlashDrafter, target, taps_BSND, tokens_BS, drop_BS):
+def bd3lm_terms(drafter: DFlashModel, target, taps_BSND, tokens_BS, drop_BS):
   """(CE [B, S] of the x_t half given which tokens are masked (S % B == 0), whether
   each label is in the draft vocabulary [B, S])."""
   cfg = drafter.cfg
@@ -283,7 +283,7 @@ def frequent_tokens(tokens, loss_mask, count: int, vocab_size: int) -> tuple:
 DFLASH2_FIELDS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 
 
-def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DFlashDrafter:
+def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DFlashModel:
   """A freshly initialised drafter for the config's `dflash` section and the target: a
   DFlash-2 drafter for training.task = dflash2 (its convs start as the identity).
 
@@ -296,9 +296,9 @@ def build_drafter(cfg, target_cfg, tokenizer_mask_id=None, draft_vocab=()) -> DF
   if mask_id < 0:
     mask_id = target_cfg.vocab_size - 1 if tokenizer_mask_id is None else tokenizer_mask_id
   fields = dict(layer_types=tuple(d.get('layer_types', ())), is_causal=d.get('is_causal'))
-  config_class, drafter_class = DFlashConfig, DFlashDrafter
+  config_class, drafter_class = DFlashConfig, DFlashModel
   if cfg.training.task == 'dflash2':
-    config_class, drafter_class = DFlash2Config, DFlash2Drafter
+    config_class, drafter_class = DFlash2Config, DFlash2Model
     fields.update({k: d[k] for k in DFLASH2_FIELDS})
   dcfg = config_class.create(
       num_target_layers=target_cfg.num_layers, num_layers=d.num_layers,

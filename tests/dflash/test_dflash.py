@@ -26,7 +26,7 @@ from dspec.decoding.drafters import dflash as dflash_drafters
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
-from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashDrafter,
+from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashModel,
                                  default_target_layer_ids, load_dflash)
 from dspec.models.transformer import Transformer
 from dspec.training import dflash_task, tasks
@@ -127,7 +127,7 @@ def block_ce(toy):
   """(jit(taps, tokens, anchors) -> per-block summed CE, target taps, drafter) for a
   random 2-layer drafter (untrained, so its loss reacts to every visible input)."""
   cfg = DFlashConfig.create(TOY.num_layers, num_layers=2, block_size=4, mask_token_id=255)
-  drafter = DFlashDrafter(cfg, TOY, rngs=nnx.Rngs(7))
+  drafter = DFlashModel(cfg, TOY, rngs=nnx.Rngs(7))
   target = toy['target']
   loss_mask = jnp.ones(toy['seq'].shape, bool)
 
@@ -214,13 +214,13 @@ def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
   @jax.jit
   def cached_and_fresh(dparams, tokens_BL, num_tokens_B, cache):
     model = nnx.merge(drafter.graphdef, dparams)
-    ctx = DraftContext(tokens_BL, num_tokens_B)
+    ctx = DraftContext(tokens_BL, num_tokens_B, remaining_B=jnp.full((2,), 99, jnp.int32))
     masks_BG = jnp.full((2, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
-    cached = drafter.block_logits(model, cache, target, ctx, masks_BG)
+    cached = drafter.block_hidden(model, cache, target, ctx, masks_BG)
     # Fresh: one causal target pass over the whole buffer; init keeps positions < n - 1.
     out = target(tokens_BL, taps=drafter.taps, compute_logits=False)
     fresh_cache = drafter.init(dparams, target, ctx, out)
-    return cached, drafter.block_logits(model, fresh_cache, target, ctx, masks_BG)
+    return cached, drafter.block_hidden(model, fresh_cache, target, ctx, masks_BG)
 
   cached, fresh = cached_and_fresh(toy['dparams'], state.tokens_BL, state.num_tokens_B,
                                    state.drafter_state)
@@ -269,7 +269,7 @@ def test_reduced_draft_vocabulary(toy):
 def test_sampled_output_matches_the_target(small_vocab_model):
   cfg = DFlashConfig.create(small_vocab_model.cfg.num_layers, num_layers=1, block_size=3,
                             mask_token_id=11)
-  module = DFlashDrafter(cfg, small_vocab_model.cfg, rngs=nnx.Rngs(5))
+  module = DFlashModel(cfg, small_vocab_model.cfg, rngs=nnx.Rngs(5))
   drafter, dparams = dflash_drafters.DFlashDrafter.create(module)
   graphdef, params = nnx.split(small_vocab_model)
   engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=SamplingSpec(greedy=False))

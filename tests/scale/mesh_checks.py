@@ -75,9 +75,9 @@ def optional_drafters():
     out['mtp'] = f'MTP modules not importable: {e}'
   try:
     from dspec.decoding.drafters import dflash as dflash_drafters
-    from dspec.models.dflash import DFlashConfig, DFlashDrafter
+    from dspec.models.dflash import DFlashConfig, DFlashModel
     cfg = DFlashConfig.create(MODEL.num_layers, 1, 4, mask_token_id=1)
-    out['dflash'] = (lambda: DFlashDrafter(cfg, MODEL, rngs=nnx.Rngs(2)),
+    out['dflash'] = (lambda: DFlashModel(cfg, MODEL, rngs=nnx.Rngs(2)),
                      lambda m: dflash_drafters.DFlashDrafter.create(m))
   except ImportError as e:
     out['dflash'] = f'DFlash modules not importable: {e}'
@@ -161,11 +161,11 @@ def _train_task(name):
         loss_fn=functools.partial(mtp_task.joint_loss,
                                   weights=mtp_task.depth_weights(2, 1.0)),
         get_batch=lambda step: {'tokens': tokens, 'mtp_lambda': np.float32(0.3)})
-  from dspec.models.dflash import DFlashConfig, DFlashDrafter
+  from dspec.models.dflash import DFlashConfig, DFlashModel
   from dspec.training import dflash_task
   cfg = DFlashConfig.create(MODEL.num_layers, 1, 4, mask_token_id=1)
   return trainer.TrainTask(
-      model=DFlashDrafter(cfg, MODEL, rngs=nnx.Rngs(2)),
+      model=DFlashModel(cfg, MODEL, rngs=nnx.Rngs(2)),
       frozen=Transformer(MODEL, rngs=nnx.Rngs(0)),
       loss_fn=functools.partial(dflash_task.dflash_loss, num_anchors=2, gamma=4.0),
       get_batch=lambda step: {'tokens': tokens, 'loss_mask': np.ones_like(tokens, bool)})

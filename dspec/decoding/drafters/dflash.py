@@ -1,19 +1,27 @@
-"""DFlash drafting (`reference/dflash.md` §2, §5): one non-causal pass proposes a whole block.
+"""DFlash and DFlash-2 drafting (`reference/dflash.md` §2, §5, §7): one pass over the block.
 
 State: per-layer context K/V of the draft (post k-norm, post RoPE) for every committed
 position before the anchor, plus lengths (a `KVCache`). Only context K/V are cached; block
 K/V are recomputed every round, so rollback is rewinding lengths.
 
-  init     projects the prompt features at positions 0..P−2 (all committed before the anchor).
+  init     projects the prompt features at positions 0..P−1 (all committed before the
+           anchor, the prefill's token).
   propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 attends to the cached
-           context and to itself bidirectionally; argmax over slots 1..b−1; q = None.
+           context and to the block (per-layer masks: bidirectional, causal or sliding, as
+           the checkpoint says); near the end of the budget only the first remaining + 1
+           block keys exist (z-lab's shrinking block). DFlash: argmax over slots 1..b−1,
+           q = None. DFlash-2: the candidate selector's left-to-right walk (argmax at
+           T = 0; at T > 0 sampled, with its q over the K candidates).
   update   appends the context K/V of the verify positions start..start+γ (the committed
            ones become visible by the new length num_tokens − 1; the rest are masked and
            overwritten next round).
 
-`denoise_steps > 1` is iterative unmasking within the block: each step runs the block,
-fills the most confident still-masked slots with their argmax (an equal share per step),
-and the last step fills the rest. One step (the default) is the reference algorithm.
+`denoise_steps > 1` (DFlash only) is iterative unmasking within the block: each step runs
+the block, fills the most confident still-masked slots with their argmax (an equal share
+per step), and the last step fills the rest. One step (the default) is the reference.
+
+Checkpoints: a dspec checkpoint (kind dflash / dflash2) or a z-lab / speculators directory
+(`dspec.models.drafter_formats`), detected from the files.
 """
 
 from __future__ import annotations
@@ -28,10 +36,10 @@ from flax import nnx
 from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models import dflash as dflash_model
+from dspec.models import dflash2
 from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig
 from dspec.models.kv_cache import KVCache
-from pallas_kernels.block_attention import DFlashDraftMask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +62,16 @@ class DFlashDrafter(DrafterBase):
     if self.denoise_steps < 1:
       raise ValueError(f'drafters.dflash.denoise_steps must be >= 1, got '
                        f'{self.denoise_steps}')
+    if self.denoise_steps > 1 and self.is_dflash2:
+      raise ValueError('drafters.dflash.denoise_steps > 1 applies to DFlash, not DFlash-2')
+
+  @property
+  def is_dflash2(self) -> bool:
+    return isinstance(self.config, dflash2.DFlash2Config)
 
   @classmethod
-  def create(cls, model: dflash_model.DFlashDrafter, num_draft: int = 0,
-             denoise_steps: int = 1) -> Tuple['DFlashDrafter', Any]:
+  def create(cls, model: dflash_model.DFlashModel, num_draft: int = 0,
+             denoise_steps: int = 1) -> Tuple["DFlashDrafter", Any]:
     """(drafter, params); num_draft 0 means the trained block size - 1."""
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.cfg, model.target_cfg,
@@ -89,19 +103,29 @@ class DFlashDrafter(DrafterBase):
                           c.compute_dtype)
     t = prefill_out.taps_BTND.shape[1]
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    cache = _append_context(model, cache, prefill_out.taps_BTND, positions_BT)
+    cache = _append_context(model, cache, target, prefill_out.taps_BTND, positions_BT)
     return cache.with_lengths(ctx.num_tokens_B - 1)
 
   def propose(self, params, cache, target, ctx, key):
-    del key
     model = nnx.merge(self.graphdef, params)
     b = ctx.tokens_BL.shape[0]
     g = self.num_draft
     drafts_BG = jnp.full((b, g), self.config.mask_token_id, jnp.int32)
+    if self.is_dflash2:
+      hidden_BGD = self.block_hidden(model, cache, target, ctx, drafts_BG)
+      walk = dflash2.propose_block(model, target, hidden_BGD, self._anchor(ctx),
+                                   greedy=ctx.sampling.greedy, temperature=ctx.temperature,
+                                   key=key)
+      q_BGV = None
+      if walk.q_BGK is not None:
+        q_BGV = dflash2.SelectorWalk(walk.tokens_BG, model.token_ids(walk.cand_BGK),
+                                     walk.q_BGK).q_over_vocab(self.target_cfg.vocab_size)
+      return Proposal(model.token_ids(walk.tokens_BG), jnp.full((b,), g, jnp.int32), q_BGV)
     masked_BG = jnp.ones((b, g), bool)
     steps = min(self.denoise_steps, g)
     for s in range(steps):
-      logits_BGV = self.block_logits(model, cache, target, ctx, drafts_BG)
+      logits_BGV = model.draft_logits(
+          target, self.block_hidden(model, cache, target, ctx, drafts_BG))
       best_BG = model.token_ids(jnp.argmax(logits_BGV, axis=-1))
       if s == steps - 1:
         fill_BG = masked_BG
@@ -120,28 +144,32 @@ class DFlashDrafter(DrafterBase):
     model = nnx.merge(self.graphdef, params)
     t = verify_out.taps_BTND.shape[1]
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    cache = _append_context(model, cache, verify_out.taps_BTND, positions_BT)
+    cache = _append_context(model, cache, target, verify_out.taps_BTND, positions_BT)
     return cache.with_lengths(ctx.num_tokens_B - 1)
 
   # ------------------------------------------------------------------------- helpers
 
-  def block_logits(self, model: dflash_model.DFlashDrafter, cache: KVCache, target, ctx, drafts_BG):
-    """Draft logits [B, b−1, V'] (draft vocabulary) of slots 1..b−1 for the block
-    [anchor, drafts_BG]."""
-    b = ctx.tokens_BL.shape[0]
+  def _anchor(self, ctx):
+    return ctx.tokens_BL[jnp.arange(ctx.tokens_BL.shape[0]), ctx.num_tokens_B - 1]
+
+  def block_hidden(self, model: dflash_model.DFlashModel, cache: KVCache, target, ctx,
+                   drafts_BG):
+    """The drafter's post-norm hidden [B, b−1, D] of slots 1..b−1 for the block
+    [anchor, drafts_BG]; only the first min(b, remaining + 1) block keys exist."""
     anchor_pos_B = ctx.num_tokens_B - 1
-    anchor_B = ctx.tokens_BL[jnp.arange(b), anchor_pos_B]
-    block_BT = jnp.concatenate([anchor_B[:, None], drafts_BG], axis=1)
+    block_BT = jnp.concatenate([self._anchor(ctx)[:, None], drafts_BG], axis=1)
     positions_BT = anchor_pos_B[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)
-    mask = DFlashDraftMask(block_size=self.block_size, window=self.config.sliding_window)
+    block_len_B = jnp.clip(ctx.remaining_B + 1, 1, self.block_size)
+    offsets_B2 = jnp.stack([cache.lengths_B, block_len_B], axis=-1)
     hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
-                       mask, cache.lengths_B)
-    return model.draft_logits(target, hidden_BTD[:, 1:])
+                       model.cfg.draft_masks(self.block_size), offsets_B2)
+    return hidden_BTD[:, 1:]
 
 
-def _append_context(model: dflash_model.DFlashDrafter, cache: KVCache, taps_BTND, positions_BT):
+def _append_context(model: dflash_model.DFlashModel, cache: KVCache, target, taps_BTND,
+                    positions_BT):
   """Writes the context K/V of new features at their absolute positions (all layers)."""
-  k_LBTKD, v_LBTKD = model.context_kv(model.fuse(taps_BTND), positions_BT)
+  k_LBTKD, v_LBTKD = model.context_kv(model.fuse(taps_BTND, target), positions_BT)
   for i in range(k_LBTKD.shape[0]):
     cache = cache.write(i, k_LBTKD[i], v_LBTKD[i], positions_BT)
   return cache
@@ -153,5 +181,6 @@ def build(cfg, target) -> Tuple[DFlashDrafter, Any]:
   if not c.path:
     raise ValueError('drafter dflash needs a trained checkpoint: set '
                      '--config.drafters.dflash.path=<dir> (e.g. demo/dflash)')
-  model = dflash_model.load_dflash(c.path, attention_impl=c.attention_impl)
+  model = dflash_model.load_drafter(c.path, attention_impl=c.attention_impl,
+                                    num_target_layers=target.cfg.num_layers)
   return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps)
