@@ -15,7 +15,9 @@ Row metrics:
                      AR decode time / method decode time over the same prompts; at T > 0 the
                      token-rate ratio accounts for different output lengths.
   lossless_fraction  prompts whose greedy output is token-identical to AR's (T = 0); null at T > 0
-  sol_bound          `sol.sol_bound` with P = num_draft + 1 and the dataset's measured entropy
+  sol_bound          T > 0: `sol.sol_bound` with P = num_draft + 1 and the dataset's entropy
+                     at that temperature (None for drafters that sample their proposals)
+  greedy_oracle_ceiling  T = 0: the τ of an oracle proposing AR's own output (`sol.py`)
 Suffix decoding gets a private global trie per (dataset, temperature, batch size, size)
 (`host_drafter_factory(private=True)`) that persists across that run's prompts: later prompts draft from earlier prompts' outputs,
 never from their own (the timing-honesty rule of drafters/suffix.py). A last batch with
@@ -82,6 +84,7 @@ class RunResult:
   """One method × size over every batch of a dataset (per-batch timings kept)."""
 
   num_draft: int
+  samples_proposals: bool = False
   decode_s: list = dataclasses.field(default_factory=list)
   new_tokens: list = dataclasses.field(default_factory=list)
   outputs: list = dataclasses.field(default_factory=list)
@@ -99,7 +102,7 @@ class RunResult:
 def run_batches(engine, target_params, batches: list, settings: runner.Settings,
                 drafter_params, host_factory, on_state: Callable, tick: Callable) -> RunResult:
   """Times every batch (`runner.timed_generation`); keeps the real rows' results."""
-  result = RunResult(engine.num_draft)
+  result = RunResult(engine.num_draft, engine.drafter.samples_proposals)
   for i, batch in enumerate(batches):
     timed = runner.timed_generation(engine, target_params, drafter_params, batch.prompt_BP,
                                     batch.lens, settings, host_factory)
@@ -165,7 +168,7 @@ def validate(cfg) -> None:
 
 
 def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: RunResult,
-         entropy: dict, max_new_tokens: int) -> dict:
+         entropy: Optional[dict], max_new_tokens: int) -> dict:
   metrics = res.metrics()
   tps, ar_tps = res.tokens_per_s(), ar.tokens_per_s()
   lossless = (None if temperature > 0 else
@@ -183,9 +186,9 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
       'speedup': tps / ar_tps, 'tokens_per_s': tps, 'ar_tokens_per_s': ar_tps,
       'decode_s': float(np.sum(res.decode_s)), 'new_tokens': int(np.sum(res.new_tokens)),
       'lossless_fraction': lossless,
-      'sol_bound': sol.sol_bound(entropy['entropy_mu'], entropy['entropy_mu2'], width),
-      'sol_bound_eacl': sol.sol_bound(entropy['entropy_mu'], entropy['entropy_h2'], width),
-      'entropy_mu': entropy['entropy_mu'], 'sol_temperature': entropy['sol_temperature'],
+      **sol.speed_of_light(temperature, width, entropy, ar.outputs,
+                           sampled_proposals=res.samples_proposals),
+      'entropy_mu': entropy['entropy_mu'] if entropy else None,
       'num_prompts': len(res.outputs), 'max_new_tokens': int(max_new_tokens),
       'compile_s': res.compile_s,
   }
@@ -235,7 +238,7 @@ class Benchmark:
                            self.bench.prompt_bucket)
     settings = runner.Settings.from_config(run_config(cfg, 'none', temperature, batch_size))
     meter = None
-    if (dataset, temperature) not in self.entropy:
+    if temperature > 0 and (dataset, temperature) not in self.entropy:
       meter = sol.EntropyMeter(self.graphdef, self.params, temperature, cfg.top_k, cfg.top_p)
     def on_ar_state(i, state, batch):
       if meter is not None:
@@ -246,7 +249,7 @@ class Benchmark:
                      settings, None, None, on_ar_state, bar.update)
     if meter is not None:
       self.entropy[dataset, temperature] = meter.moments()
-    entropy = self.entropy[dataset, temperature]
+    entropy = self.entropy.get((dataset, temperature))
     args = (temperature, batch_size)
     ar_row = _row(dataset, 'ar', *args, None, ar, ar, entropy, cfg.max_new_tokens)
     ar_row.update(distinct_4=distinct_ngram_ratio(ar.outputs, 4),

@@ -23,6 +23,8 @@ Contract:
   truncate_for_tiers  True for drafters that make their whole block in one pass: a
                    smaller controller tier verifies a prefix of their proposal instead of
                    rebuilding them with fewer drafts.
+  samples_proposals  True when proposals at T > 0 are samples with their q (the
+                   speed-of-light bound covers deterministic proposals only).
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts).
 
@@ -55,6 +57,7 @@ class Drafter(Protocol):
   num_draft: int
   taps: Tuple[int, ...]
   truncate_for_tiers: bool
+  samples_proposals: bool
 
   def init(self, params, target, ctx: DraftContext, prefill_out) -> Any: ...
 
@@ -78,6 +81,7 @@ class DrafterBase:
 
   taps: Tuple[int, ...] = ()
   truncate_for_tiers: bool = False
+  samples_proposals: bool = False
 
   def check_target(self, target_cfg) -> None:
     return None
@@ -172,6 +176,10 @@ class TruncatedDrafter:
   inner: Any
   num_draft: int
   truncate_for_tiers = True
+
+  @property
+  def samples_proposals(self) -> bool:
+    return self.inner.samples_proposals
 
   @property
   def taps(self) -> Tuple[int, ...]:

@@ -43,25 +43,63 @@ def rejection_verify(key, draft_BG, num_proposed_B, q_BGV, p_BG1V):
   a sample of normalize(max(p_j - q_j, 0)); if all are accepted emit a bonus from p_G.
   `q_BGV=None` means the drafter proposed deterministically (one-hot q).
   """
-  b, g = draft_BG.shape
-  key_u, key_x = jax.random.split(key)
+  u_BG, q_d, key_x = _draws(key, draft_BG, q_BGV)
+  g = draft_BG.shape[1]
   p_d = jnp.take_along_axis(p_BG1V[:, :g], draft_BG[..., None], axis=-1)[..., 0]
+  ok = (u_BG * q_d < p_d) & (jnp.arange(g)[None, :] < num_proposed_B[:, None])
+  n_B = _leading_true(ok)
+  p_n = p_BG1V[jnp.arange(draft_BG.shape[0]), n_B]
+  return _emit(key_x, draft_BG, num_proposed_B, q_BGV, n_B, p_n)
+
+
+def rejection_verify_logits(key, draft_BG, num_proposed_B, q_BGV, logits_BG1V, probs_fn):
+  """`rejection_verify` on `probs_fn(logits)` (the processed distributions), same draws and
+  result. On CPU, where processing the rows costs more than the verify forward's share,
+  rows are processed one position at a time and only up to every sequence's first
+  rejection (plus the row each sequence emits from); elsewhere all rows at once."""
+  if jax.default_backend() != 'cpu':
+    return rejection_verify(key, draft_BG, num_proposed_B, q_BGV, probs_fn(logits_BG1V))
+  u_BG, q_d, key_x = _draws(key, draft_BG, q_BGV)
+  b, g = draft_BG.shape
+  rows = jnp.arange(b)
+
+  def step(c):
+    j, n_B, live_B = c
+    p_BV = probs_fn(jax.lax.dynamic_index_in_dim(logits_BG1V, j, axis=1, keepdims=False))
+    p_d = p_BV[rows, draft_BG[:, j]]
+    live_B &= (u_BG[:, j] * q_d[:, j] < p_d) & (j < num_proposed_B)
+    return j + 1, n_B + live_B, live_B
+
+  n_B = jnp.zeros((b,), jnp.int32)
+  if g:
+    n_B = jax.lax.while_loop(lambda c: (c[0] < g) & jnp.any(c[2]), step,
+                             (jnp.int32(0), n_B, jnp.ones((b,), bool)))[1]
+  p_n = probs_fn(logits_BG1V[rows, n_B])
+  return _emit(key_x, draft_BG, num_proposed_B, q_BGV, n_B, p_n)
+
+
+def _draws(key, draft_BG, q_BGV):
+  """(uniforms [B, G], q of each draft [B, G], the key of the emitted sample)."""
+  key_u, key_x = jax.random.split(key)
+  u_BG = jax.random.uniform(key_u, draft_BG.shape, jnp.float32)
   if q_BGV is None:
-    q_d = jnp.ones_like(p_d)
+    q_d = jnp.ones(draft_BG.shape, jnp.float32)
   else:
     q_d = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
-  u = jax.random.uniform(key_u, (b, g), jnp.float32)
-  ok = (u * q_d < p_d) & (jnp.arange(g)[None, :] < num_proposed_B[:, None])
-  n_B = _leading_true(ok)
+  return u_BG, q_d, key_x
 
+
+def _emit(key_x, draft_BG, num_proposed_B, q_BGV, n_B, p_n):
+  """[B, G + 1]: the n accepted drafts, then the corrected or bonus token drawn from p_n
+  (the processed distribution at position n, [B, V])."""
+  b, g = draft_BG.shape
   rows = jnp.arange(b)
-  p_n = p_BG1V[rows, n_B]                                    # [B, V]
   nc = jnp.minimum(n_B, max(g - 1, 0))
   if g == 0:
     residual = p_n
   else:
     if q_BGV is None:
-      q_n = jax.nn.one_hot(draft_BG[rows, nc], p_BG1V.shape[-1], dtype=p_n.dtype)
+      q_n = jax.nn.one_hot(draft_BG[rows, nc], p_n.shape[-1], dtype=p_n.dtype)
     else:
       q_n = q_BGV[rows, nc]
     # A position that proposed nothing (n == num_proposed < g) is a plain target sample.

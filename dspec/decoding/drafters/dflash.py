@@ -69,6 +69,10 @@ class DFlashDrafter(DrafterBase):
   def is_dflash2(self) -> bool:
     return isinstance(self.config, dflash2.DFlash2Config)
 
+  @property
+  def samples_proposals(self) -> bool:
+    return self.is_dflash2
+
   @classmethod
   def create(cls, model: dflash_model.DFlashModel, num_draft: int = 0,
              denoise_steps: int = 1) -> Tuple["DFlashDrafter", Any]:

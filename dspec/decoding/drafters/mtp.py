@@ -66,6 +66,10 @@ class MTPDrafter(DrafterBase):
   num_draft: int
   sample_proposals: bool = False
 
+  @property
+  def samples_proposals(self) -> bool:
+    return self.sample_proposals
+
   def __post_init__(self):
     check_num_draft('mtp', self.num_draft)
     if self.num_draft > self.config.num_depths and not self.config.shared_depth:

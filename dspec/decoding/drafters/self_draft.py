@@ -22,6 +22,7 @@ class SelfDrafter(DrafterBase):
   """State: the drafter's own copy of the target cache (positions < num_tokens - 1)."""
 
   num_draft: int = 4
+  samples_proposals = True
 
   def __post_init__(self):
     check_num_draft('self', self.num_draft)
