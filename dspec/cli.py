@@ -89,7 +89,7 @@ def run(main):
     except (AttributeError, KeyError) as e:   # ml_collections: `--config.<unknown>=...`
       _exit_with(f'unknown config key {str(e).strip(chr(34) + chr(39))!r} '
                  f'(check the --config.<field> names)')
-    except (flags.Error, ValueError, TypeError, OSError) as e:
+    except (flags.Error, ValueError, TypeError, OSError, SyntaxError) as e:
       _exit_with(_first_line(e))
 
   app.run(wrapped, flags_parser=parse_flags)

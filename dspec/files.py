@@ -113,6 +113,8 @@ def directory_lock(directory: str, what: str):
   Another process asking for the same lock gets LockedError at once; the same process may
   nest it. The lock dies with its process (even on kill -9), so it never goes stale.
   """
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise OutputPathError(f'{directory}: exists and is not a directory')
   os.makedirs(directory, exist_ok=True)
   key = os.path.realpath(directory)
   if key in _held_locks:

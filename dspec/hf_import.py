@@ -45,16 +45,26 @@ def _positive_float(value, key: str) -> float:
 
 
 def _rope_theta(hf_config: dict) -> float:
-  """RoPE base from transformers 4 (`rope_theta`) or 5 (`rope_parameters`) config keys."""
-  rope = hf_config.get('rope_parameters') or hf_config.get('rope_scaling') or {}
-  if not isinstance(rope, dict):
-    raise ValueError(f'config.json: rope_parameters/rope_scaling must be an object, got '
-                     f'{rope!r}')
-  rope_type = rope.get('rope_type', rope.get('type', 'default'))
-  if rope_type not in (None, 'default'):
-    raise ValueError(f'RoPE scaling type {rope_type!r} is not supported (only default RoPE)')
-  theta = rope.get('rope_theta', hf_config.get('rope_theta'))
-  return _positive_float(10_000.0 if theta is None else theta, 'rope_theta')
+  """RoPE base from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)
+  config keys; every one present must say default RoPE and agree on the base."""
+  thetas = []
+  for key in ('rope_parameters', 'rope_scaling'):
+    rope = hf_config.get(key)
+    if rope is None:
+      continue
+    if not isinstance(rope, dict):
+      raise ValueError(f'config.json: {key} must be an object, got {rope!r}')
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
+    if rope_type not in (None, 'default'):
+      raise ValueError(f'RoPE scaling type {rope_type!r} is not supported (only default '
+                       'RoPE)')
+    if rope.get('rope_theta') is not None:
+      thetas.append(_positive_float(rope['rope_theta'], f'{key}.rope_theta'))
+  if hf_config.get('rope_theta') is not None:
+    thetas.append(_positive_float(hf_config['rope_theta'], 'rope_theta'))
+  if len(set(thetas)) > 1:
+    raise ValueError(f'config.json: the rope_theta values disagree ({sorted(set(thetas))})')
+  return thetas[0] if thetas else 10_000.0
 
 
 def config_from_hf(hf_config: dict, dtype: str = 'float32') -> TransformerConfig:

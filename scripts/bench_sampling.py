@@ -2,15 +2,19 @@
 
   python scripts/bench_sampling.py [--batch_sizes=1,16] [--rows=16] [--repeats=9]
 
-For verify rows [B, rows, vocab] of the demo target (configs/common.py MODEL_PRESETS['demo'],
-random weights), times jitted, after warm-up, interleaved (median of --repeats):
-  processing only: greedy verify (argmax + match) vs the rejection sampler fed by
-    `processed_probs` at T=1, T=0.7, top-k 50, top-p 0.95, top-k 50 + top-p 0.95, and the
-    previous full-sort top-p; on the logits of the demo checkpoint (--target, teacher-forced
-    on --text) when it exists, else on the random-weight target's logits;
-  whole verify step: one cached forward of `rows` tokens (cache filled to --context) plus
-    that processing, so the ratio to greedy is the cost a decode step pays.
-The CPU may be shared: run it a few times and compare ratios, not absolute times.
+For verify rows [B, rows, vocab] of the demo target shape (configs/common.py
+MODEL_PRESETS['demo']), times jitted, after warm-up, interleaved (median of --repeats):
+  processing: greedy verify (argmax + match) vs rejection sampling on the processed
+    distributions at T=1, T=0.7, top-k 50, top-p 0.95, top-k 50 + top-p 0.95, through
+    `rejection_verify_logits` (row by row up to the first rejection on CPU), plus top-p
+    over all rows (`rejection_verify`, the cost when every draft is accepted) and the
+    previous full-sort top-p. Logits: the demo checkpoint (--target) teacher-forced on
+    --text when it exists, else the random-weight target's;
+  verify step: one cached forward of `rows` tokens (cache filled to --context) of the
+    random-weight target plus that processing on its logits.
+The drafts are the logits' argmax: the best deterministic drafter, so acceptance is as
+high as the distribution allows; τ is the mean accepted + 1 of the processing runs. The
+CPU may be shared: run it a few times and compare ratios, not absolute times.
 """
 
 import functools
@@ -31,7 +35,8 @@ from configs.common import MODEL_PRESETS  # noqa: E402
 from dspec import checkpoint  # noqa: E402
 from dspec.bench.timing import median_times  # noqa: E402
 from dspec.decoding.sampling import SamplingSpec, processed_probs  # noqa: E402
-from dspec.decoding.verification import greedy_verify, rejection_verify  # noqa: E402
+from dspec.decoding.verification import (first_argmax, greedy_verify,  # noqa: E402
+                                         rejection_verify, rejection_verify_logits)
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 from dspec.tokenizer import load_tokenizer  # noqa: E402
@@ -47,10 +52,12 @@ _TOKENIZER = flags.DEFINE_string('tokenizer', 'demo/tokenizer', 'Tokenizer of --
 _TEXT = flags.DEFINE_string('text', 'dspec/decoding/verification.py',
                             'Text the checkpoint is teacher-forced on.')
 
-# name -> (temperature, top_k, top_p); None = greedy.
-SETTINGS = {'greedy': None, 'T=1': (1.0, 0, 1.0), 'T=0.7': (0.7, 0, 1.0),
-            'top-k 50': (1.0, 50, 1.0), 'top-p 0.95': (1.0, 0, 0.95),
-            'top-k 50 + top-p 0.95': (1.0, 50, 0.95)}
+# name -> (temperature, top_k, top_p, all rows at once); None = greedy.
+SETTINGS = {'greedy': None, 'T=1': (1.0, 0, 1.0, False), 'T=0.7': (0.7, 0, 1.0, False),
+            'top-k 50': (1.0, 50, 1.0, False), 'top-p 0.95': (1.0, 0, 0.95, False),
+            'top-k 50 + top-p 0.95': (1.0, 50, 0.95, False),
+            'top-p 0.95, all rows': (1.0, 0, 0.95, True),
+            'top-p 0.95, all rows, full sort (before)': 'sort'}
 
 
 def _sorted_top_p(logits, temperature, top_p):
@@ -64,17 +71,19 @@ def _sorted_top_p(logits, temperature, top_p):
   return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 
-def _verify(setting, key, draft_BG, logits_BG1V):
-  """(num_accepted, emitted) of one verify step's processing, as the engine does it."""
+def _verify(setting, key, logits_BG1V):
+  """(num_accepted, emitted) of one verify step's processing, drafts = the argmax."""
+  draft_BG = first_argmax(logits_BG1V[:, :-1])
   num_B = jnp.full(draft_BG.shape[:1], draft_BG.shape[1], jnp.int32)
   if setting is None:
     return greedy_verify(draft_BG, num_B, logits_BG1V)
   if setting == 'sort':
-    p = _sorted_top_p(logits_BG1V, 1.0, 0.95)
-  else:
-    t, k, top_p = setting
-    p = processed_probs(logits_BG1V, SamplingSpec.create(t, k, top_p), t, top_p)
-  return rejection_verify(key, draft_BG, num_B, None, p)
+    return rejection_verify(key, draft_BG, num_B, None, _sorted_top_p(logits_BG1V, 1.0, 0.95))
+  t, k, top_p, all_rows = setting
+  probs_fn = lambda x: processed_probs(x, SamplingSpec.create(t, k, top_p), t, top_p)
+  if all_rows:
+    return rejection_verify(key, draft_BG, num_B, None, probs_fn(logits_BG1V))
+  return rejection_verify_logits(key, draft_BG, num_B, None, logits_BG1V, probs_fn)
 
 
 def _checkpoint_logits(rows: int):
@@ -106,17 +115,14 @@ def main(argv):
   target = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(target)
   real = _checkpoint_logits(rows)
-  settings = dict(SETTINGS, **{'top-p 0.95, full sort (before)': 'sort'})
+  settings = SETTINGS
   key = jax.random.PRNGKey(0)
-
-  @functools.partial(jax.jit, static_argnums=(0,))
-  def process(setting, key, draft_BG, logits_BG1V):
-    return _verify(setting, key, draft_BG, logits_BG1V)
+  process = jax.jit(_verify, static_argnums=(0,))
 
   @functools.partial(jax.jit, static_argnums=(0,))
   def step(setting, params, cache, key, tokens_BG1):
     out = nnx.merge(graphdef, params)(tokens_BG1, cache=cache)
-    return _verify(setting, key, tokens_BG1[:, 1:], out.logits_BTV)
+    return _verify(setting, key, out.logits_BTV)
 
   print(f'demo target shape, vocab {cfg.vocab_size}, {rows} verify rows, context '
         f'{_CONTEXT.value}, backend {jax.default_backend()}; median of {_REPEATS.value} '
@@ -133,16 +139,17 @@ def main(argv):
       logits = jax.jit(lambda p, c, t: nnx.merge(graphdef, p)(t, cache=c).logits_BTV)(
           params, cache, tokens)
       source = 'random-weight target'
-    proc = median_times([lambda s=s: process(s, key, tokens[:, 1:], logits)
-                         for s in settings.values()], repeats=_REPEATS.value, warmup=2)
+    proc = median_times([lambda s=s: process(s, key, logits) for s in settings.values()],
+                        repeats=_REPEATS.value, warmup=2)
+    taus = [1 + float(jnp.mean(process(s, key, logits)[0])) for s in settings.values()]
     full = median_times([lambda s=s: step(s, params, cache, key, tokens)
                          for s in settings.values()], repeats=_REPEATS.value, warmup=2)
     print(f'\nB={b}: rows [{b}, {rows}, {cfg.vocab_size}]; processing logits: {source} '
           f'({_entropy_note(logits)})')
-    print(f'| setting | processing ms | ÷ greedy | verify step ms | ÷ greedy |')
-    print('|---|---|---|---|---|')
-    for name, p, f in zip(settings, proc, full):
-      print(f'| {name} | {p * 1e3:.2f} | {p / proc[0]:.2f} | {f * 1e3:.2f} | '
+    print('| setting | τ | processing ms | ÷ greedy | verify step ms | ÷ greedy |')
+    print('|---|---|---|---|---|---|')
+    for name, tau, p, f in zip(settings, taus, proc, full):
+      print(f'| {name} | {tau:.2f} | {p * 1e3:.2f} | {p / proc[0]:.2f} | {f * 1e3:.2f} | '
             f'{f / full[0]:.3f} |')
 
 

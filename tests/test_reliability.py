@@ -435,7 +435,10 @@ def test_zero_every_is_one_error_line():
     (None, "vocab_size must be a positive integer, got 'abc'"),
     ({'num_attention_heads': 0}, 'num_attention_heads must be a positive integer, got 0'),
     ({'num_key_value_heads': 0}, 'num_key_value_heads must be a positive integer, got 0'),
-    ({'rope_scaling': 'x'}, 'rope_parameters/rope_scaling must be an object'),
+    ({'rope_scaling': 'x'}, 'rope_scaling must be an object'),
+    ({'rope_theta': 'big'}, 'rope_theta must be a positive finite number'),
+    ({'rope_parameters': {'rope_type': 'default', 'rope_theta': 1e4},
+      'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}}, "'yarn' is not supported"),
 ])
 def test_bad_hf_config_json_is_a_clear_error(tmp_path, content, message):
   config = {'model_type': 'llama', 'vocab_size': 32, 'hidden_size': 16,

@@ -5,11 +5,25 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-import jax.numpy as jnp
+
+
+class DictConfig:
+  """`to_dict` / `from_dict` for frozen config dataclasses; unknown keys are an error."""
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - fields
+    if unknown:
+      raise ValueError(f'unknown {cls.__name__} keys: {sorted(unknown)}')
+    return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(DictConfig):
   """Static shape and numerics of a Llama/Qwen3-style decoder.
 
   Hashable, so it can sit inside static jit arguments.
@@ -26,8 +40,8 @@ class TransformerConfig:
   norm_eps: float = 1e-6
   qk_norm: bool = False          # Qwen3 per-head RMSNorm on q and k.
   tie_embeddings: bool = False
-  dtype: str = 'float32'         # Compute dtype; params are kept in param_dtype.
-  param_dtype: str = 'float32'
+  dtype: str = 'float32'         # compute dtype (a numpy dtype name)
+  param_dtype: str = 'float32'   # dtype params are kept in
 
   def __post_init__(self):
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
@@ -40,14 +54,6 @@ class TransformerConfig:
           f'num_heads={self.num_heads} is not a multiple of '
           f'num_kv_heads={self.num_kv_heads}')
 
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dtype)
-
-  @property
-  def params_dtype(self):
-    return jnp.dtype(self.param_dtype)
-
   def num_params(self) -> int:
     """Parameter count (embedding counted once when tied)."""
     d, f, l = self.embed_dim, self.mlp_dim, self.num_layers
@@ -58,13 +64,3 @@ class TransformerConfig:
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + l * per_layer + d + head
 
-  @classmethod
-  def from_dict(cls, d: dict) -> 'TransformerConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - fields
-    if unknown:
-      raise ValueError(f'unknown model config keys: {sorted(unknown)}')
-    return cls(**d)
-
-  def to_dict(self) -> dict:
-    return dataclasses.asdict(self)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec import checkpoint
-from dspec.models.config import TransformerConfig
+from dspec.models.config import DictConfig, TransformerConfig
 from dspec.models.dflash_masks import DraftLayerMask, TrainLayerMask
 from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
 from pallas_kernels.block_attention import (BD3LMMask, DFlashTrainMask, block_attention)
@@ -55,7 +55,7 @@ def default_target_layer_ids(num_target_layers: int, num_layers: int) -> Tuple[i
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(DictConfig):
   """Static shape of a DFlash drafter (the layer shapes come from the target's config).
 
   block_size: the trained block B (anchor + B−1 masks); inference may use a smaller one.
@@ -166,13 +166,6 @@ class DFlashConfig:
                                   causal=causal, window=window))
     return tuple(masks)
 
-  @classmethod
-  def from_dict(cls, d: dict) -> 'DFlashConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - fields
-    if unknown:
-      raise ValueError(f'unknown dflash config keys: {sorted(unknown)}')
-    return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,13 +214,13 @@ class DFlashModel(nnx.Module):
     d = target_cfg.embed_dim
     self.fc = nnx.Linear(len(cfg.target_layer_ids) * d, d, use_bias=False,
                          kernel_init=nnx.initializers.normal(stddev=0.02),
-                         dtype=target_cfg.compute_dtype,
-                         param_dtype=target_cfg.params_dtype, rngs=rngs)
+                         dtype=target_cfg.dtype,
+                         param_dtype=target_cfg.param_dtype, rngs=rngs)
     self.hidden_norm = RMSNorm(d, eps=target_cfg.norm_eps,
-                               param_dtype=target_cfg.params_dtype)
+                               param_dtype=target_cfg.param_dtype)
     self.layers = nnx.List([DecoderLayer(self.layer_cfg, rngs=rngs)
                             for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(d, eps=target_cfg.norm_eps, param_dtype=target_cfg.params_dtype)
+    self.norm = RMSNorm(d, eps=target_cfg.norm_eps, param_dtype=target_cfg.param_dtype)
 
   def fuse(self, taps_BTND, target=None):
     """Tapped target features [B, T, n_taps, H] -> fused context [B, T, H].
@@ -244,7 +237,7 @@ class DFlashModel(nnx.Module):
       idx = jnp.asarray(normed)
       taps_BTND = taps_BTND.at[:, :, idx].set(target.norm(taps_BTND[:, :, idx]))
     b, t, n, d = taps_BTND.shape
-    x = taps_BTND.reshape(b, t, n * d).astype(self.target_cfg.compute_dtype)
+    x = taps_BTND.reshape(b, t, n * d).astype(self.target_cfg.dtype)
     return self.hidden_norm(self.fc(x))
 
   def context_kv(self, context_BSD, positions_BS):

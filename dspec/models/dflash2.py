@@ -82,12 +82,12 @@ class GroupedDynamicCausalConv(nnx.Module):
       raise ValueError(f'dflash2 conv_group_size {group_size} does not divide the width {dim}')
     self.kernel_size = kernel_size
     self.groups = dim // group_size
-    base = jnp.zeros((2, kernel_size, dim), cfg.params_dtype).at[:, 0].set(1.0)
+    base = jnp.zeros((2, kernel_size, dim), cfg.param_dtype).at[:, 0].set(1.0)
     self.base_kernel = nnx.Param(base)
     self.kernel_projection = nnx.Linear(dim, 2 * kernel_size * self.groups, use_bias=False,
                                         kernel_init=nnx.initializers.zeros_init(),
-                                        dtype=cfg.compute_dtype,
-                                        param_dtype=cfg.params_dtype, rngs=rngs)
+                                        dtype=cfg.dtype,
+                                        param_dtype=cfg.param_dtype, rngs=rngs)
 
   def prepare(self, x_BTD, slot_T):
     """(convolved input, the finish conv's dynamic kernels [B, T, K, G])."""
@@ -106,12 +106,12 @@ class CandidateSelector(nnx.Module):
   def __init__(self, dim: int, vocab: int, rank: int, cfg: TransformerConfig, *,
                rngs: nnx.Rngs):
     self.hidden_projection = nnx.Linear(dim, rank, use_bias=False, kernel_init=_INIT,
-                                        dtype=cfg.compute_dtype,
-                                        param_dtype=cfg.params_dtype, rngs=rngs)
+                                        dtype=cfg.dtype,
+                                        param_dtype=cfg.param_dtype, rngs=rngs)
     self.predecessor_codebook = nnx.Param(_INIT(rngs.params(), (vocab, rank),
-                                                cfg.params_dtype))
+                                                cfg.param_dtype))
     self.successor_codebook = nnx.Param(_INIT(rngs.params(), (vocab, rank),
-                                              cfg.params_dtype))
+                                              cfg.param_dtype))
 
   def pair_scores(self, g_BTR, prev_BT, cand_BTK):
     """Σ_r P[prev, r] · g[r] · Q[cand, r] for every candidate: [B, T, K] (fp32)."""

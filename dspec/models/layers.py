@@ -57,7 +57,7 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
 
 def _linear(d_in, d_out, cfg: TransformerConfig, rngs):
   return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=_INIT,
-                    dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                    dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                     rngs=rngs)
 
 
@@ -72,8 +72,8 @@ class Attention(nnx.Module):
     self.v_proj = _linear(d, k * hd, cfg, rngs)
     self.o_proj = _linear(h * hd, d, cfg, rngs)
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=cfg.params_dtype)
-      self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=cfg.params_dtype)
+      self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+      self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
 
   def project_q(self, x_BTD, sin, cos):
     b, t, _ = x_BTD.shape
@@ -113,10 +113,10 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps,
-                                   param_dtype=cfg.params_dtype)
+                                   param_dtype=cfg.param_dtype)
     self.self_attn = Attention(cfg, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps,
-                                            param_dtype=cfg.params_dtype)
+                                            param_dtype=cfg.param_dtype)
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x_BTD, sin, cos, kv_fn):

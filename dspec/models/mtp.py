@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec import checkpoint
-from dspec.models.config import TransformerConfig
+from dspec.models.config import DictConfig, TransformerConfig
 from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
 
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -34,7 +34,7 @@ _CHOICES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPConfig:
+class MTPConfig(DictConfig):
   """Static MTP architecture (hashable). See `reference/mtp_eagle_bd3lm.md` §1.3/§1.6.
 
   num_depths: D trained depths (1-4). h0_source: the target hidden fed to depth 1
@@ -72,28 +72,18 @@ class MTPConfig:
     """Target layers whose residual output the MTP reads (the last one for pre_norm h0)."""
     return (target_cfg.num_layers - 1,) if self.h0_source == 'pre_norm' else ()
 
-  def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, d: dict) -> 'MTPConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - fields
-    if unknown:
-      raise ValueError(f'unknown mtp config keys: {sorted(unknown)}')
-    return cls(**d)
 
 
 class MTPDepth(nnx.Module):
   """One depth: input norms + projection (chained only), a decoder block, a final norm."""
 
   def __init__(self, cfg: MTPConfig, tcfg: TransformerConfig, *, rngs: nnx.Rngs):
-    d, pdt = tcfg.embed_dim, tcfg.params_dtype
+    d, pdt = tcfg.embed_dim, tcfg.param_dtype
     if cfg.chained:
       self.enorm = RMSNorm(d, eps=tcfg.norm_eps, param_dtype=pdt)
       self.hnorm = RMSNorm(d, eps=tcfg.norm_eps, param_dtype=pdt)
       self.eh_proj = nnx.Linear(2 * d, d, use_bias=False, kernel_init=_INIT,
-                                dtype=tcfg.compute_dtype, param_dtype=pdt, rngs=rngs)
+                                dtype=tcfg.dtype, param_dtype=pdt, rngs=rngs)
     self.layer = DecoderLayer(tcfg, rngs=rngs)
     if not cfg.share_final_norm:
       self.final_norm = RMSNorm(d, eps=tcfg.norm_eps, param_dtype=pdt)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -34,20 +33,20 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed_tokens = nnx.Param(
-        _EMBED_INIT(rngs.params(), (cfg.vocab_size, cfg.embed_dim), cfg.params_dtype))
+        _EMBED_INIT(rngs.params(), (cfg.vocab_size, cfg.embed_dim), cfg.param_dtype))
     self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.params_dtype)
+    self.norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Param(
-          _EMBED_INIT(rngs.params(), (cfg.embed_dim, cfg.vocab_size), cfg.params_dtype))
+          _EMBED_INIT(rngs.params(), (cfg.embed_dim, cfg.vocab_size), cfg.param_dtype))
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     c = self.cfg
     return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
-                         c.compute_dtype)
+                         c.dtype)
 
   def embed(self, tokens_BT):
-    return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+    return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.cfg.dtype)
 
   def logits(self, hidden_BTD, vocab_ids=None):
     """Head over post-norm hidden states, in fp32; over the token ids `vocab_ids` only

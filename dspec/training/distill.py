@@ -51,6 +51,8 @@ def _read_manifest(manifest_path: str) -> dict:
 def _load_shard(path: str, name: str) -> dict:
   """The arrays of one shard file, read fully (a damaged file raises ValueError)."""
   file = os.path.join(path, name)
+  if os.path.isfile(file) and not zipfile.is_zipfile(file):
+    raise ValueError(f'{file}: damaged shard (not an .npz archive)')
   try:
     with np.load(file) as data:
       return {k: data[k] for k in ('tokens', 'loss_mask', 'lengths')}

@@ -62,9 +62,9 @@ def test_convs_start_as_identity():
   """From scratch, DFlash-2's backbone computes exactly DFlash on the same weights."""
   target = _target()
   cfg = _config()
-  two = dflash2.DFlash2Drafter(cfg, WIDE, rngs=nnx.Rngs(1))
+  two = dflash2.DFlash2Model(cfg, WIDE, rngs=nnx.Rngs(1))
   base_fields = {k: v for k, v in cfg.to_dict().items() if k not in SELECTOR}
-  one = dflash_lib.DFlashDrafter(dflash_lib.DFlashConfig.from_dict(base_fields), WIDE,
+  one = dflash_lib.DFlashModel(dflash_lib.DFlashConfig.from_dict(base_fields), WIDE,
                                  rngs=nnx.Rngs(2))
   shared = nnx.to_pure_dict(nnx.state(one, nnx.Param))
   state = nnx.state(two, nnx.Param)
@@ -104,7 +104,7 @@ def test_training_layout_matches_drafting():
   target = _target()
   cfg = _config(layer_types=('sliding_attention', 'full_attention'), sliding_window=3,
                 input_embedding_scale=1.3)
-  drafter = dflash2.DFlash2Drafter(cfg, WIDE, rngs=nnx.Rngs(4))
+  drafter = dflash2.DFlash2Model(cfg, WIDE, rngs=nnx.Rngs(4))
   _randomize_convs(drafter, 5)
   s = 16
   tokens = jax.random.randint(jax.random.key(1), (1, s), 0, WIDE.vocab_size - 1)
@@ -187,7 +187,7 @@ def test_rejection_with_selector_q_is_lossless_when_candidates_miss_the_mode():
 
 
 def test_selector_terms_inject_missing_gold():
-  drafter = dflash2.DFlash2Drafter(_config(), WIDE, rngs=nnx.Rngs(13))
+  drafter = dflash2.DFlash2Model(_config(), WIDE, rngs=nnx.Rngs(13))
   k = drafter.cfg.selector_top_k
   logits = jax.random.normal(jax.random.key(14), (1, 1, 3, WIDE.vocab_size))
   order = np.argsort(-np.asarray(logits[0, 0]), axis=-1)
@@ -226,7 +226,7 @@ def test_dflash2_task_trains_loads_and_exports(tmp_path):
   for key in ('sel_loss', 'sel_tau_est', 'recall', 'unary_loss'):
     assert np.isfinite(result['last'][key])
   drafter = dflash_lib.load_drafter(str(tmp_path / 'run' / 'final'))
-  assert isinstance(drafter, dflash2.DFlash2Drafter)
+  assert isinstance(drafter, dflash2.DFlash2Model)
   out = tmp_path / 'zlab'
   proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py'),
                          f'--path={tmp_path / "run" / "final"}', f'--out={out}'],

@@ -204,7 +204,7 @@ def test_export_round_trip(root, target, kind):
   package and gives the same draft logits; reading the export back is lossless."""
   hf, ours, ids, _ = target
   config_class = dflash2.DFlash2Config if kind == 'dflash2' else dflash_lib.DFlashConfig
-  drafter_class = dflash2.DFlash2Drafter if kind == 'dflash2' else dflash_lib.DFlashDrafter
+  drafter_class = dflash2.DFlash2Model if kind == 'dflash2' else dflash_lib.DFlashModel
   extra = SELECTOR if kind == 'dflash2' else {}
   cfg = config_class.create(num_target_layers=DEPTH, num_layers=2, block_size=8,
                             mask_token_id=MASK, target_layer_ids=(2, 4),
@@ -284,7 +284,7 @@ def test_speculators_form(root, target):
 
   model, path = _zlab_drafter(root, 'dflash2_softcap_multiplier_b8')
   drafter = drafter_formats.load(_speculators_dir(root, 'dflash2', path, target_path))
-  assert isinstance(drafter, dflash2.DFlash2Drafter)
+  assert isinstance(drafter, dflash2.DFlash2Model)
   model.config.dflash_config.pop('output_multiplier')
   model.config.dflash_config.pop('final_logit_softcapping')
   want, _ = _zlab_block(model, hf, ids, 8)
@@ -294,8 +294,8 @@ def test_speculators_form(root, target):
 
 def test_load_drafter_detects_dspec_checkpoints(root, target):
   _, ours, _, _ = target
-  for config_class, drafter_class in ((dflash_lib.DFlashConfig, dflash_lib.DFlashDrafter),
-                                      (dflash2.DFlash2Config, dflash2.DFlash2Drafter)):
+  for config_class, drafter_class in ((dflash_lib.DFlashConfig, dflash_lib.DFlashModel),
+                                      (dflash2.DFlash2Config, dflash2.DFlash2Model)):
     cfg = config_class.create(num_target_layers=DEPTH, num_layers=1, block_size=4,
                               mask_token_id=MASK)
     drafter = drafter_class(cfg, ours.cfg, rngs=nnx.Rngs(0))

@@ -104,7 +104,7 @@ class DFlashDrafter(DrafterBase):
     b, capacity = ctx.tokens_BL.shape
     c = model.layer_cfg
     cache = KVCache.zeros(c.num_layers, b, capacity, c.num_kv_heads, c.head_dim,
-                          c.compute_dtype)
+                          c.dtype)
     t = prefill_out.taps_BTND.shape[1]
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     cache = _append_context(model, cache, target, prefill_out.taps_BTND, positions_BT)

@@ -160,7 +160,7 @@ class MTPDrafter(DrafterBase):
     b, length = ctx.tokens_BL.shape
     t = self.target_cfg
     cache = KVCache.zeros(self.num_draft, b, length, t.num_kv_heads, t.head_dim,
-                          t.compute_dtype)
+                          t.dtype)
     h0_BWD = mtp.h0(prefill_out)
     w = h0_BWD.shape[1]
     j_BW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
