@@ -97,7 +97,8 @@ def _search_threshold(probs, top_p, pivots: int):
   threshold is a probability in (lo, hi]. Each pass probes `pivots` evenly spaced bit
   patterns inside (lo, hi) and keeps the sub-interval where the mass crosses top_p. A row
   is done once (lo, hi] holds one distinct value (one token, or adjacent bit patterns);
-  the kept tokens are then exactly those > lo, i.e. >= the returned threshold.
+  the kept tokens are then exactly those > lo, i.e. >= the returned threshold (which may
+  lie below the smallest kept probability).
   """
   vocab = probs.shape[-1]
   shape = probs.shape[:-1] + (1,)
@@ -111,15 +112,26 @@ def _search_threshold(probs, top_p, pivots: int):
 
   # Tokens below (1 - top_p) / (2 vocab) hold under 1 - top_p together: start lo there
   # when the mass above it does reach top_p (within rounding it may not), else at -1
-  # (below every probability; count = vocab). hi starts at 1.0 (mass above it: 0).
-  floor = (1.0 - top_p) / (2 * vocab)
-  floor_b = jax.lax.bitcast_convert_type(floor, jnp.int32)
-  floor_mass, floor_count = above(floor_b)
-  use_floor = floor_mass >= top_p
-  lo_b = jnp.where(use_floor, floor_b, -1)
-  count_lo = jnp.where(use_floor, floor_count, vocab)
+  # (below every probability). hi starts at 1.0 (mass above it: 0).
+  floor_b = jax.lax.bitcast_convert_type((1.0 - top_p) / (2 * vocab), jnp.int32)
+  lo_b = jnp.where(above(floor_b)[0] >= top_p, floor_b, -1)
   hi_b = jnp.full(shape, jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32))
-  count_hi = jnp.zeros(shape, jnp.int32)
+
+  def split(lo_b, hi_b):
+    """Probes inside (lo, hi), the counts above them, and how many lie left of the cut."""
+    stride = jnp.maximum((hi_b - lo_b) // (pivots + 1), 1)
+    probe_b = jnp.minimum(lo_b + stride * jnp.arange(1, pivots + 1), hi_b - 1)   # [..., K]
+    mass, count = above(probe_b)
+    return probe_b, count, jnp.sum(mass >= top_p, axis=-1, keepdims=True)
+
+  pick = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, pivots - 1), axis=-1)
+
+  def narrow(_, c):
+    lo_b, hi_b = c
+    probe_b, _, below = split(lo_b, hi_b)
+    wide = hi_b - lo_b > 1
+    return (jnp.where(wide & (below > 0), pick(probe_b, below - 1), lo_b),
+            jnp.where(wide & (below < pivots), pick(probe_b, below), hi_b))
 
   def open_rows(c):
     lo_b, hi_b, count_lo, count_hi = c
@@ -128,19 +140,21 @@ def _search_threshold(probs, top_p, pivots: int):
   def step(c):
     lo_b, hi_b, count_lo, count_hi = c
     active = open_rows(c)
-    stride = jnp.maximum((hi_b - lo_b) // (pivots + 1), 1)
-    probe_b = jnp.minimum(lo_b + stride * jnp.arange(1, pivots + 1), hi_b - 1)   # [..., K]
-    mass, count = above(probe_b)
-    below = jnp.sum(mass >= top_p, axis=-1, keepdims=True)   # probes left of the cut
-    pick = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, pivots - 1), axis=-1)
+    probe_b, count, below = split(lo_b, hi_b)
     new_lo, new_hi = active & (below > 0), active & (below < pivots)
     return (jnp.where(new_lo, pick(probe_b, below - 1), lo_b),
             jnp.where(new_hi, pick(probe_b, below), hi_b),
             jnp.where(new_lo, pick(count, below - 1), count_lo),
             jnp.where(new_hi, pick(count, below), count_hi))
 
+  # Rows nearly always need 12+ bits of narrowing before (lo, hi] isolates one value, so
+  # the first passes skip the counts the stopping test needs (half a pass's cost).
+  bits_per_pass = (pivots + 1).bit_length() - 1
+  lo_b, hi_b = jax.lax.fori_loop(0, -(-12 // bits_per_pass), narrow, (lo_b, hi_b))
+  counts = above(jnp.concatenate([jnp.maximum(lo_b, 0), hi_b], axis=-1))[1]
+  count_lo = jnp.where(lo_b < 0, vocab, counts[..., :1])
   lo_b = jax.lax.while_loop(lambda c: jnp.any(open_rows(c)), step,
-                            (lo_b, hi_b, count_lo, count_hi))[0]
+                            (lo_b, hi_b, count_lo, counts[..., 1:]))[0]
   return jax.lax.bitcast_convert_type(lo_b + 1, jnp.float32)   # smallest float > lo
 
 
