@@ -1,0 +1,1064 @@
+"""Red-team sweep (issue 15): ~190 bad or edge inputs to every entry point, one subprocess each.
+
+  python scripts/redteam.py [--only=SUBSTRING] [--json=PATH] [--keep]
+
+Covers decode.py, train.py, distill.py, convert_hf.py, benchmark.py and the Python API
+(checkpoints, safe writes, locks, HF import, tokenizers). Every case runs in its own scratch
+directory, and is classified:
+
+  ok              an edge input that should work did, and its output checks passed
+  clean error     exit 1, exactly one `error:` line, no traceback
+  traceback       a raw traceback, a crash, a hang, or a failure without one `error:` line
+  silently wrong  exit 0 where an error was due (unless the case documents a warning and
+                  it was printed), an output check failed, or an output was written anyway
+  data loss       a file or node the case planted was deleted, replaced or changed
+
+Prints a line per case and the counts; exits 1 unless tracebacks, silently wrong and data
+loss are all 0. Takes about half an hour on 2 CPU cores (JAX start-up dominates). Never
+touches anything outside its scratch directory (`--out=` style paths run with the scratch
+directory as the working directory; root and home are never given as outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+CATEGORIES = ('ok', 'clean error', 'traceback', 'silently wrong', 'data loss')
+
+
+@dataclasses.dataclass
+class Case:
+  """One input. `argv` entries may hold {sb} (scratch dir), {fx} (fixtures) and {repo}."""
+
+  name: str
+  group: str
+  argv: list
+  expect: str = 'error'           # error | ok | either (error or ok are both fine)
+  message: str = ''               # expected in the error line (a mismatch is noted)
+  setup: Optional[Callable] = None          # setup(sb, fx)
+  check: Optional[Callable] = None          # check(sb, fx, proc) -> problem or None
+  warning: str = ''               # exit 0 is intended when stderr carries this warning
+  cwd: str = 'repo'               # repo | sb
+  timeout: int = 600
+  memory_gb: int = 8              # address-space cap, so that no case can exhaust the host
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _write(path, text, mode='w'):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, mode) as f:
+    f.write(text)
+
+
+def _sha(path) -> str:
+  return hashlib.sha256(open(path, 'rb').read()).hexdigest()
+
+
+def _flip_byte(path, fraction=0.5):
+  data = bytearray(open(path, 'rb').read())
+  data[int(len(data) * fraction)] ^= 0x10
+  _write(path, bytes(data), 'wb')
+
+
+def _truncate(path, fraction=0.5):
+  data = open(path, 'rb').read()
+  _write(path, data[:int(len(data) * fraction)], 'wb')
+
+
+def _largest_data_file(ckpt):
+  found = []
+  for root, _, names in os.walk(os.path.join(ckpt, 'state')):
+    if os.path.basename(root) == 'd':
+      found += [os.path.join(root, n) for n in names]
+  return max(found, key=os.path.getsize)
+
+
+def _copy(src, dst):
+  shutil.copytree(src, dst, symlinks=True)
+
+
+def _plant(sb, rel='keep/thesis.tex', text='years of work'):
+  _write(os.path.join(sb, rel), text)
+
+
+def _planted_intact(rel='keep/thesis.tex', text='years of work'):
+  def check(sb, fx, proc):
+    path = os.path.join(sb, rel)
+    if not os.path.isfile(path) or open(path).read() != text:
+      return f'data loss: {rel} was deleted or changed'
+    return None
+  return check
+
+
+def _strict_json(path):
+  def bad_constant(name):
+    raise ValueError(f'non-finite value {name} in {path}')
+  with open(path) as f:
+    return json.loads(f.read(), parse_constant=bad_constant)
+
+
+def _all(*checks):
+  def check(sb, fx, proc):
+    for c in checks:
+      problem = c(sb, fx, proc)
+      if problem:
+        return problem
+    return None
+  return check
+
+
+def _no_file(rel):
+  def check(sb, fx, proc):
+    if proc.returncode != 0 and os.path.exists(os.path.join(sb, rel)):
+      return f'wrong: {rel} was written although the run failed'
+    return None
+  return check
+
+
+def _metrics_ok(rel='m.json'):
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    try:
+      report = _strict_json(os.path.join(sb, rel))
+    except (OSError, ValueError) as e:
+      return f'wrong: {e}'
+    if not report.get('new_tokens') or not report.get('output_ids'):
+      return 'wrong: no tokens generated'
+    return None
+  return check
+
+
+def _hold_lock(rel, what):
+  """setup: a process of ours holding the directory lock of sb/rel (killed in the check)."""
+  def setup(sb, fx):
+    code = textwrap.dedent(f'''
+        import sys, time
+        sys.path.insert(0, {REPO!r})
+        from dspec.files import directory_lock
+        with directory_lock({os.path.join(sb, rel)!r}, {what!r}):
+          print('locked', flush=True)
+          time.sleep(600)''')
+    holder = subprocess.Popen([PY, '-c', code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == 'locked'
+    _HOLDERS[sb] = holder
+  return setup
+
+
+_HOLDERS: dict = {}
+
+
+def _release(sb, fx, proc):
+  holder = _HOLDERS.pop(sb, None)
+  if holder is not None:
+    holder.kill()
+    holder.wait()
+  return None
+
+
+def _api(code: str) -> list:
+  """A Python API snippet run through the CLI wrapper (anticipated errors -> one line)."""
+  body = textwrap.indent(textwrap.dedent(code).strip(), '  ')
+  program = (f'import os, sys\nsys.path.insert(0, {REPO!r})\nfrom dspec import cli\n'
+             f'def main(argv):\n{body}\ncli.run(main)\n')
+  return [PY, '-c', program]
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+FIXTURE_CODE = '''
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import orbax.checkpoint as ocp
+from flax import nnx
+from configs import common
+from dspec import checkpoint
+from dspec.hf_export import export_to_hf
+from dspec.models.config import TransformerConfig
+from dspec.models.transformer import Transformer
+fx = {fx!r}
+cfg = TransformerConfig(**common.MODEL_PRESETS['tiny'])
+model = Transformer(cfg, rngs=nnx.Rngs(0))
+checkpoint.save_model(os.path.join(fx, 'target'), model, kind='target', config=cfg.to_dict())
+params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+metadata = dict(kind='target', config=cfg.to_dict(), storage_dtype='float32', extra={{}},
+                dspec_format_version=1)
+checkpoint._checkpointer().save(os.path.join(fx, 'target_old'), args=ocp.args.Composite(
+    state=ocp.args.PyTreeSave(params), metadata=ocp.args.JsonSave(metadata)))
+export_to_hf(model, os.path.join(fx, 'hf'))
+'''
+
+
+def build_fixtures(fx: str) -> None:
+  os.makedirs(fx)
+  steps = [
+      ([PY, '-c', FIXTURE_CODE.format(repo=REPO, fx=fx)], 'target checkpoints and HF dir'),
+      ([PY, 'scripts/train.py', '--config=configs/demo_target_v2.py:quick',
+        f'--workdir={fx}/run4'], 'a 4-step quick training run'),
+      ([PY, 'scripts/distill.py', '--config=configs/distill_demo.py:tiny',
+        f'--out_dir={fx}/distill'], 'a tiny distilled set'),
+  ]
+  for argv, what in steps:
+    t0 = time.time()
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          preexec_fn=_limit_memory(8))
+    if proc.returncode != 0:
+      sys.exit(f'fixture failed ({what}):\n{proc.stderr[-3000:]}')
+    print(f'fixture: {what} ({time.time() - t0:.0f}s)', flush=True)
+
+
+# ------------------------------------------------------------------------------- cases
+
+def decode_cases() -> list:
+  base = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=8',
+          '--config.timing_repeats=1', '--metrics_json={sb}/m.json']
+  ckpt = ['--config.model.source=checkpoint', '--config.model.path={sb}/ckpt']
+
+  def d(name, *args, expect='error', message='', setup=None, check=None, metrics=True,
+        **kw):
+    """A decode case; `metrics`: its report goes to {sb}/m.json (checked strictly)."""
+    checks = [check] if check else []
+    if metrics:
+      checks.append(_metrics_ok() if expect != 'error' else _no_file('m.json'))
+    return Case(name, 'decode', base + list(args), expect, message, setup, _all(*checks),
+                **kw)
+
+  def with_ckpt(damage=None, src='target'):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, src), os.path.join(sb, 'ckpt'))
+      if damage:
+        damage(os.path.join(sb, 'ckpt'))
+    return setup
+
+  def edit_metadata(fn):
+    def damage(path):
+      meta = os.path.join(path, 'metadata', 'metadata')
+      data = json.load(open(meta))
+      fn(data)
+      _write(meta, json.dumps(data))
+    return damage
+
+  def hf_setup(edit=None):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, 'hf'), os.path.join(sb, 'hf'))
+      if edit:
+        edit(os.path.join(sb, 'hf'))
+    return setup
+
+  def hf_config(**changes):
+    def edit(hf):
+      path = os.path.join(hf, 'config.json')
+      config = json.load(open(path))
+      config.update(changes)
+      _write(path, json.dumps(config))
+    return edit
+
+  def char_device(sb, fx):
+    os.mknod(os.path.join(sb, 'node'), stat.S_IFCHR | 0o666, os.makedev(1, 3))
+
+  def still_char_device(sb, fx, proc):
+    st = os.lstat(os.path.join(sb, 'node'))
+    return None if stat.S_ISCHR(st.st_mode) else 'data loss: the device node was replaced'
+
+  def link_setup(sb, fx):
+    _write(os.path.join(sb, 'real.json'), 'old')
+    os.symlink(os.path.join(sb, 'real.json'), os.path.join(sb, 'link.json'))
+
+  def link_kept(sb, fx, proc):
+    if not os.path.islink(os.path.join(sb, 'link.json')):
+      return 'data loss: the symlink was replaced by a file'
+    try:
+      _strict_json(os.path.join(sb, 'real.json'))
+    except (OSError, ValueError) as e:
+      return f'wrong: link target not written ({e})'
+    return None
+
+  hf = ['--config.model.source=hf', '--config.model.path={sb}/hf']
+  cases = [
+      # sampling knobs
+      d('temperature_nan', '--config.temperature=nan', message='temperature'),
+      d('temperature_inf', '--config.temperature=inf', message='temperature'),
+      d('temperature_neg_inf', '--config.temperature=-inf', message='temperature'),
+      d('temperature_negative', '--config.temperature=-0.5', message='temperature'),
+      d('temperature_text', '--config.temperature=hot', message='temperature'),
+      d('temperature_huge', '--config.temperature=1e9', expect='ok'),
+      d('temperature_tiny', '--config.temperature=1e-9', expect='ok'),
+      d('temperature_sampled', '--config.temperature=0.7', '--config.top_p=0.9',
+        expect='ok'),
+      d('top_p_nan', '--config.top_p=nan', message='top_p'),
+      d('top_p_zero', '--config.top_p=0', message='top_p'),
+      d('top_p_negative', '--config.top_p=-0.1', message='top_p'),
+      d('top_p_above_one', '--config.top_p=1.5', message='top_p'),
+      d('top_p_inf', '--config.top_p=inf', message='top_p'),
+      d('top_p_tiny', '--config.temperature=1.0', '--config.top_p=1e-9', expect='ok'),
+      d('top_k_negative', '--config.top_k=-1', message='top_k'),
+      d('top_k_int32_overflow', '--config.top_k=2147483648', message='top_k'),
+      d('top_k_huge', '--config.top_k=1000000000000', message='top_k'),
+      d('top_k_above_vocab', '--config.temperature=1.0', '--config.top_k=100000',
+        expect='either'),
+      d('top_k_five', '--config.temperature=1.0', '--config.top_k=5', expect='ok'),
+      d('seed_negative', '--config.seed=-1', message='seed'),
+      d('seed_int32_overflow', '--config.seed=2147483648', message='seed'),
+      d('seed_huge', '--config.seed=1099511627776', message='seed'),
+      d('seed_int32_max', '--config.seed=2147483647', '--config.temperature=1.0',
+        expect='ok'),
+      # lengths and batch
+      d('max_new_tokens_zero', '--config.max_new_tokens=0', message='max_new_tokens'),
+      d('max_new_tokens_negative', '--config.max_new_tokens=-1', message='max_new_tokens'),
+      d('max_new_tokens_3e9', '--config.max_new_tokens=3000000000',
+        message='max_new_tokens'),
+      d('max_new_tokens_int32_max', '--config.max_new_tokens=2147483647',
+        message='max_new_tokens'),
+      d('max_new_tokens_float', '--config.max_new_tokens=3e9', message='max_new_tokens'),
+      d('max_new_tokens_one', '--config.max_new_tokens=1', expect='ok'),
+      d('batch_size_zero', '--config.batch_size=0', message='batch_size'),
+      d('batch_size_negative', '--config.batch_size=-1', message='batch_size'),
+      d('batch_size_int32_overflow', '--config.batch_size=2147483648',
+        message='batch_size'),
+      d('batch_size_oom', '--config.batch_size=100000', '--config.max_new_tokens=4000',
+        message='out of memory'),
+      d('batch_size_three', '--config.batch_size=3', expect='ok'),
+      d('max_seq_len_zero', '--config.model.max_seq_len=0', message='max_seq_len'),
+      d('max_seq_len_negative', '--config.model.max_seq_len=-5', message='max_seq_len'),
+      d('timing_repeats_negative', '--config.timing_repeats=-1', message='timing_repeats'),
+      # prompts
+      d('empty_prompt', '--prompt=', message='empty prompt'),
+      d('prompt_ids_out_of_vocab', '--prompt_ids=1,2,999', message='out of range'),
+      d('prompt_ids_negative', '--prompt_ids=-1,2', message='out of range'),
+      d('prompt_ids_text', '--prompt_ids=a,b', message='prompt_ids'),
+      d('prompt_ids_empty', '--prompt_ids=', message='empty'),
+      d('prompt_ids_huge', '--prompt_ids=99999999999999999999', message='out of range'),
+      d('prompt_and_prompt_ids', '--prompt=hi', '--prompt_ids=1,2', message='not both'),
+      d('prompts_beyond_batch', '--prompt=a', '--prompt=b', '--prompt=c',
+        '--config.batch_size=2', message='batch_size'),
+      d('two_prompts_batch_one', '--prompt=a', '--prompt=b', message='batch_size'),
+      d('two_prompts_batch_two', '--prompt=ab', '--prompt=cd', '--config.batch_size=2',
+        expect='ok'),
+      d('prompt_too_long', '--config.model.max_seq_len=16',
+        '--prompt_ids=' + ','.join(['1'] * 10), message='exceeds the model context'),
+      d('prompt_huge_text', '--prompt=' + 'x' * 20000, message='exceeds the model context'),
+      d('prompt_unicode', '--prompt=déf ƒ(ñ): 日本 🙂', expect='ok'),
+      d('prompt_control_chars', '--prompt=\x01\x02\tx', expect='ok'),
+      d('prompt_index_negative', '--config.prompt_set=gsm8k_test',
+        '--config.prompt_index=-1', message='prompt_index'),
+      d('prompt_index_huge', '--config.prompt_set=gsm8k_test',
+        '--config.prompt_index=999999', message='prompt_index'),
+      d('prompt_index_ok', '--config.prompt_set=gsm8k_test', '--config.prompt_index=3',
+        expect='ok'),
+      d('prompt_set_unknown', '--config.prompt_set=bogus', message='bogus'),
+      d('prompt_set_data_dir_missing', '--config.prompt_set=gsm8k_test',
+        '--config.data_dir=/nonexistent/data', message='/nonexistent'),
+      # config plumbing
+      d('unknown_config_key', '--config.bogus=1', message='unknown config key'),
+      d('wrong_config_type', '--config.max_new_tokens=many', message='max_new_tokens'),
+      d('config_missing', '--config=configs/no_such.py', message='not found'),
+      d('config_not_python', '--config=README.md', expect='error'),
+      d('config_bad_preset_arg', '--config=configs/tiny.py:bogus=1', message='bogus'),
+      d('unknown_drafter', '--config.drafter=bogus', message='bogus'),
+      d('mesh_bad_spec', '--config.mesh=bogus', message='mesh'),
+      d('mesh_too_many_devices', '--config.mesh=data=3', message='device'),
+      d('model_source_bogus', '--config.model.source=bogus', message='bogus'),
+      d('model_zero_heads', '--config.model.shape.num_heads=0', message='num_heads'),
+      d('model_kv_heads_not_divisor', '--config.model.shape.num_kv_heads=3',
+        message='num_kv_heads'),
+      d('model_zero_vocab', '--config.model.shape.vocab_size=0', message='vocab_size'),
+      d('ngram_num_draft_zero', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=0', message='num_draft'),
+      d('ngram_num_draft_negative', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=-3', message='num_draft'),
+      d('ngram_ok', '--config.drafter=ngram', '--config.compare_ar=True', expect='ok'),
+      d('suffix_ok', '--config.drafter=suffix', expect='ok'),
+      d('mtp_path_missing', '--config.drafter=mtp', '--config.drafters.mtp.path=/nonexistent',
+        message='/nonexistent'),
+      d('mtp_path_is_a_target', '--config.drafter=mtp', '--config.drafters.mtp.path={sb}/ckpt',
+        setup=with_ckpt(), message='target'),
+      d('dflash_path_missing', '--config.drafter=dflash',
+        '--config.drafters.dflash.path=/nonexistent', message='/nonexistent'),
+      # checkpoints
+      d('checkpoint_missing', '--config.model.source=checkpoint',
+        '--config.model.path=/nonexistent/ckpt', message='/nonexistent/ckpt'),
+      d('checkpoint_is_a_file', '--config.model.source=checkpoint',
+        '--config.model.path={sb}/file', setup=lambda sb, fx: _write(f'{sb}/file', 'x'),
+        message='file'),
+      d('checkpoint_empty_dir', '--config.model.source=checkpoint',
+        '--config.model.path={sb}/empty', setup=lambda sb, fx: os.makedirs(f'{sb}/empty'),
+        message='{sb}/empty'),
+      d('checkpoint_ok', *ckpt, setup=with_ckpt(), expect='ok'),
+      d('checkpoint_old_without_checksums', *ckpt, setup=with_ckpt(src='target_old'),
+        expect='ok', check=lambda sb, fx, p: None if 'not verified' in p.stderr
+        else 'wrong: no "not verified" warning for a checkpoint without checksums'),
+      d('checkpoint_flipped_byte', *ckpt, message='checksum',
+        setup=with_ckpt(lambda p: _flip_byte(_largest_data_file(p)))),
+      d('checkpoint_flipped_byte_early', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: _flip_byte(_largest_data_file(p), 0.1))),
+      d('checkpoint_flipped_64_bytes', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: [_flip_byte(_largest_data_file(p), 0.3 + i / 200)
+                                   for i in range(64)])),
+      d('checkpoint_truncated_data', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: _truncate(_largest_data_file(p)))),
+      d('checkpoint_no_metadata', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: shutil.rmtree(os.path.join(p, 'metadata')))),
+      d('checkpoint_garbled_metadata', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: _write(os.path.join(p, 'metadata', 'metadata'), '{no'))),
+      d('checkpoint_metadata_is_list', *ckpt, message='ckpt',
+        setup=with_ckpt(lambda p: _write(os.path.join(p, 'metadata', 'metadata'), '[]'))),
+      d('checkpoint_zero_heads', *ckpt, message='num_heads',
+        setup=with_ckpt(edit_metadata(lambda m: m['config'].update(num_heads=0)))),
+      d('checkpoint_vocab_text', *ckpt, message='vocab_size',
+        setup=with_ckpt(edit_metadata(lambda m: m['config'].update(vocab_size='abc')))),
+      d('checkpoint_wrong_kind', *ckpt, message='mtp',
+        setup=with_ckpt(edit_metadata(lambda m: m.update(kind='mtp')))),
+      d('checkpoint_future_version', *ckpt, message='version',
+        setup=with_ckpt(edit_metadata(lambda m: m.update(dspec_format_version=99)))),
+      d('checkpoint_tampered_checksum', *ckpt, message='checksum',
+        setup=with_ckpt(edit_metadata(lambda m: m['array_sha256'].update(
+            embed_tokens='0' * 64)))),
+      d('checkpoint_corrupt_tokenizer', *ckpt, message='tokenizer.json',
+        setup=with_ckpt(lambda p: _write(os.path.join(p, 'tokenizer.json'), '{"trunc'))),
+      d('checkpoint_garbled_tokenizer_config', *ckpt, '--config.model.tokenizer_dir={sb}/tok',
+        message='tokenizer', setup=lambda sb, fx: (
+            with_ckpt()(sb, fx), _write(f'{sb}/tok/tokenizer_config.json', '{bad'),
+            shutil.copy(f'{REPO}/demo/tokenizer/tokenizer.json', f'{sb}/tok/'))),
+      d('checkpoint_tokenizer_too_big', *ckpt, '--config.model.tokenizer_dir=demo/tokenizer',
+        setup=with_ckpt(), message='tokenizer'),
+      d('tokenizer_dir_missing', '--config.model.tokenizer_dir=/nonexistent/tok',
+        message='/nonexistent/tok'),
+      # Hugging Face sources
+      d('hf_ok', *hf, setup=hf_setup(), expect='ok'),
+      d('hf_config_list', *hf, message='JSON object',
+        setup=hf_setup(lambda h: _write(os.path.join(h, 'config.json'), '[]'))),
+      d('hf_vocab_text', *hf, message='vocab_size', setup=hf_setup(hf_config(vocab_size='abc'))),
+      d('hf_zero_heads', *hf, message='num_attention_heads',
+        setup=hf_setup(hf_config(num_attention_heads=0))),
+      d('hf_zero_kv_heads', *hf, message='num_key_value_heads',
+        setup=hf_setup(hf_config(num_key_value_heads=0))),
+      d('hf_safetensors_missing', *hf, message='safetensors',
+        setup=hf_setup(lambda h: os.remove(os.path.join(h, 'model.safetensors')))),
+      d('hf_safetensors_truncated', *hf, message='safetensors',
+        setup=hf_setup(lambda h: _truncate(os.path.join(h, 'model.safetensors')))),
+      d('hf_corrupt_tokenizer', *hf, message='tokenizer.json',
+        setup=hf_setup(lambda h: _write(os.path.join(h, 'tokenizer.json'), '{"x": [1,'))),
+      # output paths
+      d('metrics_to_dev_null', '--metrics_json=/dev/null', expect='ok', metrics=False,
+        check=lambda sb, fx, p: None if stat.S_ISCHR(os.lstat('/dev/null').st_mode)
+        else 'data loss: /dev/null was replaced'),
+      d('metrics_to_char_device', '--metrics_json={sb}/node', expect='ok', metrics=False,
+        setup=char_device,
+        check=still_char_device),
+      d('metrics_through_symlink', '--metrics_json={sb}/link.json', expect='ok', metrics=False,
+        setup=link_setup, check=link_kept),
+      d('metrics_to_directory', '--metrics_json={sb}/keep', message='directory',
+        setup=lambda sb, fx: _plant(sb), check=_planted_intact()),
+      d('metrics_new_parent_dir', '--metrics_json={sb}/a/b/m.json', expect='ok', metrics=False,
+        check=lambda sb, fx, p: None if os.path.isfile(f'{sb}/a/b/m.json')
+        else 'wrong: metrics not written'),
+      d('metrics_replaces_regular_file', expect='ok',
+        setup=lambda sb, fx: _write(f'{sb}/m.json', 'old')),
+  ]
+  return cases
+
+
+def train_cases() -> list:
+  base = ['scripts/train.py', '--config=configs/demo_target_v2.py:quick', '--workdir={sb}/run']
+
+  def t(name, *args, expect='error', message='', setup=None, check=None, **kw):
+    return Case(name, 'train', base + list(args), expect, message, setup, check, **kw)
+
+  def bad(field, value, message=None):
+    return t(f'{field.replace(".", "_")}_{value}'.replace('-', 'neg'),
+             f'--config.training.{field}={value}', message=message or field)
+
+  def copy_run(damage=None):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, 'run4'), os.path.join(sb, 'run'))
+      if damage:
+        damage(os.path.join(sb, 'run'))
+    return setup
+
+  def final_unchanged(sb, fx, proc):
+    a = os.path.join(fx, 'run4', 'final', 'metadata', 'metadata')
+    b = os.path.join(sb, 'run', 'final', 'metadata', 'metadata')
+    return None if os.path.exists(b) and _sha(a) == _sha(b) else \
+        'data loss: final/ was rewritten or removed'
+
+  def log_clean(sb, fx, proc):
+    path = os.path.join(sb, 'run', 'train_log.jsonl')
+    if not os.path.exists(path):
+      return None
+    try:
+      steps = [_strict_json_line(line)['step'] for line in open(path)]
+    except ValueError as e:
+      return f'wrong: train_log.jsonl: {e}'
+    if steps != sorted(set(steps)):
+      return f'wrong: train_log.jsonl steps repeat or go back: {steps}'
+    return None
+
+  def final_at(step):
+    def check(sb, fx, proc):
+      if proc.returncode != 0:
+        return None
+      meta = os.path.join(sb, 'run', 'final', 'metadata', 'metadata')
+      got = json.load(open(meta)).get('extra', {}).get('train_step')
+      return None if got == step else f'wrong: final/ is at step {got}, expected {step}'
+    return check
+
+  def ckpt_file(step):
+    return lambda run: _largest_data_file(os.path.join(run, 'checkpoints', str(step)))
+
+  def strip_checksums(run):
+    for root, _, names in os.walk(run):
+      if os.path.basename(root) == 'metadata' and 'metadata' in names:
+        path = os.path.join(root, 'metadata')
+        data = json.load(open(path))
+        data.pop('array_sha256', None)
+        _write(path, json.dumps(data))
+
+  def append_log(run):
+    _write(os.path.join(run, 'train_log.jsonl'),
+           '{"step": 5, "loss": 9.0}\n{"step": 6, "loss": 9.0}\n{"step": 7, "lo', 'a')
+
+  return [
+      Case('no_config', 'train', ['scripts/train.py', '--workdir={sb}/run'], message='config'),
+      t('config_missing', '--config=configs/no_such.py', message='not found'),
+      bad('ckpt_every', 0), bad('log_every', 0), bad('eval_every', 0),
+      bad('export_every', -1), bad('learning_rate', 'nan'), bad('learning_rate', 'inf'),
+      bad('learning_rate', -1.0), bad('num_steps', 0), bad('num_steps', -5),
+      bad('num_steps', 3000000000), bad('seed', 2147483648), bad('seed', -1),
+      bad('batch_size', 0), bad('seq_len', 0), bad('warmup_ratio', 2.0), bad('b1', 1.5),
+      bad('b2', 'nan'), bad('grad_clip', 0.0), bad('weight_decay', 'nan'),
+      bad('max_minutes', -1.0), bad('max_minutes', 'nan'), bad('decay_ratio', 0.0),
+      bad('storage_dtype', 'float16'), bad('mixture.gsm8k', 0.0, 'mixture'),
+      bad('mixture.gsm8k', 'nan', 'mixture'), bad('schedule', 'bogus', 'schedule'),
+      bad('task', 'bogus', 'bogus'),
+      t('unknown_training_key', '--config.training.bogus=1', message='unknown config key'),
+      t('data_dir_missing', '--config.data_dir=/nonexistent/data', message='/nonexistent'),
+      t('init_from_missing', '--config.training.init_from=/nonexistent/ckpt',
+        message='/nonexistent/ckpt'),
+      t('init_from_a_file', '--config.training.init_from={sb}/file',
+        setup=lambda sb, fx: _write(f'{sb}/file', 'x'), message='file'),
+      t('init_from_other_shape', '--config.training.init_from={fx}/target',
+        message='shape'),
+      t('init_from_bad_train_step', '--config.training.init_from={sb}/init',
+        '--config.training.continue_from_init=True', message='train_step',
+        setup=lambda sb, fx: (copy_run()(sb, fx), shutil.copytree(
+            f'{sb}/run/final', f'{sb}/init'), _edit_json(
+                f'{sb}/init/metadata/metadata', lambda m: m['extra'].update(train_step=-1)),
+            shutil.rmtree(f'{sb}/run'))),
+      t('tokenizer_dir_missing', '--config.model.tokenizer_dir=/nonexistent/tok',
+        message='/nonexistent/tok'),
+      t('tokenizer_corrupt', '--config.model.tokenizer_dir={sb}/tok', message='tokenizer.json',
+        setup=lambda sb, fx: _write(f'{sb}/tok/tokenizer.json', '{"broken')),
+      Case('workdir_is_a_file', 'train', base[:2] + ['--workdir={sb}/file'],
+           setup=lambda sb, fx: _write(f'{sb}/file', 'keep'), message='file',
+           check=lambda sb, fx, p: None if open(f'{sb}/file').read() == 'keep'
+           else 'data loss: the file was changed'),
+      Case('workdir_unwritable', 'train', base[:2] + ['--workdir=/proc/dspec_redteam'],
+           message='/proc/dspec_redteam'),
+      t('fresh_run', expect='ok', check=_all(log_clean, final_at(4))),
+      t('rerun_finished_is_a_no_op', expect='ok', setup=copy_run(),
+        check=_all(final_unchanged, log_clean)),
+      t('resume_past_num_steps', '--config.training.num_steps=2', setup=copy_run(),
+        message='nothing to train', check=final_unchanged),
+      t('resume_extends', '--config.training.num_steps=6', setup=copy_run(), expect='ok',
+        check=_all(log_clean, final_at(6))),
+      t('resume_latest_checkpoint_flipped', '--config.training.num_steps=6', expect='ok',
+        setup=copy_run(lambda r: _flip_byte(ckpt_file(4)(r))),
+        check=_all(log_clean, final_at(6), lambda sb, fx, p: None if os.path.isdir(
+            f'{sb}/run/checkpoints/corrupt_4') else 'wrong: damaged step not kept aside',
+            lambda sb, fx, p: None if 'resuming from the older intact checkpoint' in p.stderr
+            else 'wrong: no fallback warning')),
+      t('resume_latest_checkpoint_truncated', '--config.training.num_steps=6', expect='ok',
+        setup=copy_run(lambda r: _truncate(ckpt_file(4)(r))),
+        check=_all(log_clean, final_at(6))),
+      t('resume_latest_checkpoint_no_metadata', '--config.training.num_steps=6',
+        expect='ok', setup=copy_run(lambda r: shutil.rmtree(
+            os.path.join(r, 'checkpoints', '4', 'metadata'))),
+        check=_all(log_clean, final_at(6))),
+      t('resume_every_checkpoint_damaged', '--config.training.num_steps=6',
+        message='no intact checkpoint',
+        setup=copy_run(lambda r: (_flip_byte(ckpt_file(4)(r)), _flip_byte(ckpt_file(2)(r)))),
+        check=final_unchanged),
+      t('resume_old_checkpoints_without_checksums', '--config.training.num_steps=6',
+        expect='ok', setup=copy_run(strip_checksums), check=_all(log_clean, final_at(6))),
+      t('resume_trims_duplicate_log_lines', '--config.training.num_steps=6', expect='ok',
+        setup=copy_run(append_log), check=_all(log_clean, final_at(6))),
+      t('second_trainer_on_workdir', message='another trainer', setup=_hold_lock(
+          'run', 'trainer'), check=_release),
+      t('huge_learning_rate', '--config.training.learning_rate=1e30', expect='either',
+        message='non-finite', check=log_clean),
+  ]
+
+
+def _strict_json_line(line):
+  if not line.endswith('\n'):
+    raise ValueError(f'torn line {line!r}')
+  return json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(
+      ValueError(f'non-finite {c}')))
+
+
+def _edit_json(path, fn):
+  data = json.load(open(path))
+  fn(data)
+  _write(path, json.dumps(data))
+
+
+def distill_cases() -> list:
+  base = ['scripts/distill.py', '--config=configs/distill_demo.py:tiny', '--out_dir={sb}/d']
+
+  def x(name, *args, expect='error', message='', setup=None, check=None, **kw):
+    return Case(name, 'distill', base + list(args), expect, message, setup, check, **kw)
+
+  def copy_set(damage=None):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, 'distill'), os.path.join(sb, 'd'))
+      if damage:
+        damage(os.path.join(sb, 'd'))
+    return setup
+
+  def shards_unchanged(sb, fx, proc):
+    for name in os.listdir(os.path.join(fx, 'distill')):
+      if name.startswith('shard_') and _sha(os.path.join(fx, 'distill', name)) != _sha(
+          os.path.join(sb, 'd', name)):
+        return f'data loss: {name} changed'
+    return None
+
+  def complete(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    manifest = json.load(open(os.path.join(sb, 'd', 'manifest.json')))
+    if not manifest.get('complete') or len(manifest.get('target_sha256', '')) != 64:
+      return 'wrong: manifest incomplete or without target_sha256'
+    return None
+
+  def drop_last_shard(d):
+    manifest = json.load(open(os.path.join(d, 'manifest.json')))
+    os.remove(os.path.join(d, manifest['shards'][-1]))
+    manifest.update(shards=manifest['shards'][:-1], complete=False)
+    _write(os.path.join(d, 'manifest.json'), json.dumps(manifest))
+
+  return [
+      Case('no_config', 'distill', ['scripts/distill.py', '--out_dir={sb}/d'],
+           message='config'),
+      Case('no_out_dir', 'distill', base[:2], message='out_dir'),
+      Case('empty_out_dir', 'distill', base[:2] + ['--out_dir='], message='out_dir'),
+      x('fresh', expect='ok', check=complete),
+      x('rerun_complete', expect='ok', setup=copy_set(), check=_all(complete,
+                                                                    shards_unchanged)),
+      x('resume_after_kill', expect='ok', setup=copy_set(drop_last_shard), check=complete),
+      x('resume_other_target_seed', '--config.model.seed=1', message='other target weights',
+        setup=copy_set(), check=shards_unchanged),
+      x('resume_other_settings', '--config.distill.max_new_tokens=5',
+        message='other settings', setup=copy_set(), check=shards_unchanged),
+      x('resume_old_manifest', expect='ok', warning='older dspec', setup=copy_set(
+          lambda d: _edit_json(os.path.join(d, 'manifest.json'),
+                               lambda m: (m.pop('target_sha256'), m.pop('tokenizer_sha256')))),
+        check=_all(complete, shards_unchanged)),
+      x('manifest_garbled', message='manifest.json',
+        setup=copy_set(lambda d: _write(os.path.join(d, 'manifest.json'), '{no'))),
+      x('manifest_list', message='manifest.json',
+        setup=copy_set(lambda d: _write(os.path.join(d, 'manifest.json'), '[]'))),
+      x('listed_shard_damaged', message='damaged shard', setup=copy_set(lambda d: (
+          drop_last_shard(d), _write(os.path.join(d, 'shard_00000.npz'), 'garbage')))),
+      x('out_dir_is_a_file', message='d', setup=lambda sb, fx: _write(f'{sb}/d', 'keep'),
+        check=lambda sb, fx, p: None if open(f'{sb}/d').read() == 'keep'
+        else 'data loss: the file was changed'),
+      x('batch_size_zero', '--config.distill.batch_size=0', message='distill.batch_size'),
+      x('max_new_tokens_zero', '--config.distill.max_new_tokens=0',
+        message='distill.max_new_tokens'),
+      x('shard_size_negative', '--config.distill.shard_size=-1', message='distill.shard_size'),
+      x('prompt_limit_negative', '--config.distill.prompt_sets.gsm8k_train=-1',
+        message='gsm8k_train'),
+      x('temperature_nan', '--config.temperature=nan', message='temperature'),
+      x('top_p_above_one', '--config.top_p=2', message='top_p'),
+      x('seed_int32_overflow', '--config.seed=2147483648', message='seed'),
+      x('second_distiller', message='another distillation',
+        setup=_hold_lock('d', 'distillation'), check=_release),
+  ]
+
+
+def convert_cases() -> list:
+  conv = [f'{REPO}/scripts/convert_hf.py']
+
+  def c(name, *args, expect='error', message='', setup=None, check=None, cwd='sb'):
+    return Case(name, 'convert_hf', conv + list(args), expect, message, setup, check,
+                cwd=cwd)
+
+  def hf(edit=None, rel='hf'):
+    def setup(sb, fx):
+      _plant(sb)
+      _copy(os.path.join(fx, 'hf'), os.path.join(sb, rel))
+      if edit:
+        edit(os.path.join(sb, rel))
+    return setup
+
+  def hf_config(**changes):
+    return lambda h: _edit_json(os.path.join(h, 'config.json'), lambda m: m.update(changes))
+
+  def tensors(fn):
+    def edit(h):
+      from safetensors.numpy import load_file, save_file
+      path = os.path.join(h, 'model.safetensors')
+      save_file(fn(load_file(path)), path, metadata={'format': 'pt'})
+    return edit
+
+  def nan_tensor(ts):
+    name = sorted(ts)[0]
+    ts[name] = ts[name].copy()
+    ts[name].flat[0] = float('nan')
+    return ts
+
+  def wrong_shape(ts):
+    name = sorted(k for k in ts if k.endswith('up_proj.weight'))[0]
+    ts[name] = ts[name][:, :3].copy()
+    return ts
+
+  def ckpt_loads(sb, fx, proc):
+    out = os.path.join(sb, 'out')
+    if proc.returncode == 0 and not os.path.isdir(os.path.join(out, 'state')):
+      return 'wrong: no checkpoint written'
+    return None
+
+  src = ['--hf_dir={sb}/hf']
+  keep = _planted_intact()
+  return [
+      c('no_hf_dir', '--out={sb}/out', message='hf_dir'),
+      c('no_out', *src, setup=hf(), message='out'),
+      c('hf_dir_missing', '--hf_dir={sb}/nope', '--out={sb}/out', message='nope'),
+      c('out_empty_force', *src, '--out=', '--force', setup=hf(), message='empty',
+        check=keep),
+      c('out_dot_force', *src, '--out=.', '--force', setup=hf(), message='refusing',
+        check=keep),
+      Case('out_parent_force', 'convert_hf', conv + ['--hf_dir={sb}/hf', '--out=..',
+                                                     '--force'],
+           setup=lambda sb, fx: (hf()(sb, fx), os.makedirs(f'{sb}/sub')), message='refusing',
+           check=keep, cwd='sb/sub'),
+      c('out_user_dir_force', *src, '--out=keep', '--force', setup=hf(),
+        message='not a dspec checkpoint', check=keep),
+      c('out_user_dir', *src, '--out=keep', setup=hf(), message='already exists',
+        check=keep),
+      c('out_regular_file_force', *src, '--out=keep/thesis.tex', '--force', setup=hf(),
+        message='not a checkpoint directory', check=keep),
+      c('out_symlink_to_user_dir_force', *src, '--out=link', '--force',
+        setup=lambda sb, fx: (hf()(sb, fx), os.symlink(f'{sb}/keep', f'{sb}/link')),
+        message='symlink', check=keep),
+      c('out_checkpoint_with_user_file_force', *src, '--out=out', '--force',
+        setup=lambda sb, fx: (hf()(sb, fx), _copy(f'{fx}/target', f'{sb}/out'),
+                              _plant(sb, 'out/notes.txt', 'mine')),
+        message='notes.txt', check=_planted_intact('out/notes.txt', 'mine')),
+      c('out_checkpoint_force', *src, '--out=out', '--force', expect='ok',
+        setup=lambda sb, fx: (hf()(sb, fx), _copy(f'{fx}/target', f'{sb}/out')),
+        check=_all(keep, ckpt_loads)),
+      c('out_checkpoint_no_force', *src, '--out=out', message='already exists',
+        setup=lambda sb, fx: (hf()(sb, fx), _copy(f'{fx}/target', f'{sb}/out'))),
+      c('ok', *src, '--out=out', expect='ok', setup=hf(), check=_all(keep, ckpt_loads)),
+      c('ok_bfloat16', *src, '--out=out', '--storage_dtype=bfloat16', expect='ok',
+        setup=hf(), check=ckpt_loads),
+      c('ok_new_parent_dirs', *src, '--out=a/b/out', expect='ok', setup=hf()),
+      c('storage_dtype_float16', *src, '--out=out', '--storage_dtype=float16', setup=hf(),
+        message='storage_dtype'),
+      c('config_list', *src, '--out=out', message='JSON object',
+        setup=hf(lambda h: _write(os.path.join(h, 'config.json'), '[]'))),
+      c('config_garbled', *src, '--out=out', message='config.json',
+        setup=hf(lambda h: _write(os.path.join(h, 'config.json'), '{"model_type": '))),
+      c('config_missing', *src, '--out=out', message='config.json',
+        setup=hf(lambda h: os.remove(os.path.join(h, 'config.json')))),
+      c('config_vocab_text', *src, '--out=out', message='vocab_size',
+        setup=hf(hf_config(vocab_size='abc'))),
+      c('config_zero_heads', *src, '--out=out', message='num_attention_heads',
+        setup=hf(hf_config(num_attention_heads=0))),
+      c('config_zero_kv_heads', *src, '--out=out', message='num_key_value_heads',
+        setup=hf(hf_config(num_key_value_heads=0))),
+      c('config_negative_layers', *src, '--out=out', message='num_hidden_layers',
+        setup=hf(hf_config(num_hidden_layers=-2))),
+      c('config_hidden_not_multiple', *src, '--out=out', message='hidden_size',
+        setup=hf(hf_config(hidden_size=65, head_dim=None))),
+      c('config_model_type_gpt2', *src, '--out=out', message='gpt2',
+        setup=hf(hf_config(model_type='gpt2'))),
+      c('config_rope_yarn', *src, '--out=out', message='yarn',
+        setup=hf(hf_config(rope_scaling={'rope_type': 'yarn', 'factor': 4.0}))),
+      c('config_rope_theta_text', *src, '--out=out', message='rope_theta',
+        setup=hf(hf_config(rope_theta='big'))),
+      c('safetensors_missing', *src, '--out=out', message='safetensors',
+        setup=hf(lambda h: os.remove(os.path.join(h, 'model.safetensors')))),
+      c('safetensors_truncated', *src, '--out=out', message='safetensors',
+        setup=hf(lambda h: _truncate(os.path.join(h, 'model.safetensors')))),
+      c('safetensors_garbage', *src, '--out=out', message='safetensors',
+        setup=hf(lambda h: _write(os.path.join(h, 'model.safetensors'), 'garbage'))),
+      c('tensor_missing', *src, '--out=out', message='missing',
+        setup=hf(tensors(lambda ts: {k: v for i, (k, v) in enumerate(sorted(ts.items()))
+                                     if i}))),
+      c('tensor_wrong_shape', *src, '--out=out', message='shape',
+        setup=hf(tensors(wrong_shape))),
+      c('tensor_nan', *src, '--out=out', message='non-finite', setup=hf(tensors(nan_tensor)),
+        check=lambda sb, fx, p: None if not os.path.exists(f'{sb}/out')
+        else 'wrong: a NaN checkpoint was written'),
+      c('index_garbled', *src, '--out=out', message='index',
+        setup=hf(lambda h: _write(os.path.join(h, 'model.safetensors.index.json'), '{x'))),
+      c('corrupt_tokenizer_copied', *src, '--out=out', expect='ok',
+        setup=hf(lambda h: _write(os.path.join(h, 'tokenizer.json'), '{"x'))),
+  ]
+
+
+def bench_cases() -> list:
+  b = ['scripts/benchmark.py']
+  return [
+      Case('no_out_dir', 'benchmark', b + ['--config=configs/bench_tiny.py'],
+           message='out_dir'),
+      Case('config_missing', 'benchmark', b + ['--config=configs/no_such.py',
+                                               '--out_dir={sb}/o'], message='not found'),
+      Case('render_missing', 'benchmark', b + ['--render={sb}/nope'], message='nope'),
+      Case('unknown_key', 'benchmark', b + ['--config=configs/bench_tiny.py',
+                                            '--config.bogus=1', '--out_dir={sb}/o'],
+           message='unknown config key'),
+      Case('out_dir_is_a_file', 'benchmark', b + ['--config=configs/bench_tiny.py',
+                                                  '--out_dir={sb}/file'],
+           setup=lambda sb, fx: _write(f'{sb}/file', 'keep'), message='file',
+           check=lambda sb, fx, p: None if open(f'{sb}/file').read() == 'keep'
+           else 'data loss: the file was changed'),
+      Case('out_dir_dev_null', 'benchmark', b + ['--config=configs/bench_tiny.py',
+                                                 '--out_dir=/dev/null'], message='/dev/null',
+           check=lambda sb, fx, p: None if stat.S_ISCHR(os.lstat('/dev/null').st_mode)
+           else 'data loss: /dev/null was replaced'),
+      Case('num_prompts_zero', 'benchmark', b + ['--config=configs/bench_tiny.py',
+                                                 '--config.bench.num_prompts=0',
+                                                 '--out_dir={sb}/o'], message='num_prompts'),
+  ]
+
+
+def api_cases() -> list:
+  def a(name, code, expect='error', message='', setup=None, check=None):
+    return Case(name, 'api', _api(code), expect, message, setup, check)
+
+  load = textwrap.dedent('''
+      from flax import nnx
+      from configs import common
+      from dspec import checkpoint
+      from dspec.models.config import TransformerConfig
+      from dspec.models.transformer import Transformer
+      cfg = TransformerConfig(**common.MODEL_PRESETS['tiny'])
+      model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(1)))
+      ''')
+
+  def ckpt(damage=None):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, 'target'), os.path.join(sb, 'ckpt'))
+      if damage:
+        damage(os.path.join(sb, 'ckpt'))
+    return setup
+
+  return [
+      a('load_flipped_checkpoint', load + f"checkpoint.load_model_state('{{sb}}/ckpt', "
+        "model, 'target')", message='checksum',
+        setup=ckpt(lambda p: _flip_byte(_largest_data_file(p)))),
+      a('load_checkpoint_ok', load + "checkpoint.load_model_state('{sb}/ckpt', model, "
+        "'target')", expect='ok', setup=ckpt()),
+      a('load_wrong_kind', load + "checkpoint.load_model_state('{sb}/ckpt', model, 'mtp')",
+        message='mtp', setup=ckpt()),
+      a('read_train_step_not_a_checkpoint',
+        "from dspec import checkpoint\ncheckpoint.read_train_step('{sb}')", message='{sb}'),
+      a('save_nan_weights', '''
+          import jax.numpy as jnp
+          from flax import nnx
+          from dspec import checkpoint
+          model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+          model.kernel[...] = model.kernel[...].at[0, 0].set(jnp.nan)
+          checkpoint.save_model('{sb}/nan', model, kind='toy', config={})''',
+        message='non-finite',
+        check=lambda sb, fx, p: None if not os.path.exists(f'{sb}/nan')
+        else 'wrong: a NaN checkpoint was written'),
+      a('save_storage_dtype_float16', '''
+          from flax import nnx
+          from dspec import checkpoint
+          checkpoint.save_model('{sb}/x', nnx.Linear(2, 2, rngs=nnx.Rngs(0)), kind='toy',
+                                config={}, storage_dtype='float16')''', message='float16'),
+      a('save_tree_empty_path_force', '''
+          import numpy as np
+          from dspec import checkpoint
+          checkpoint.save_tree('', {'a': np.zeros(2)}, {}, force=True)''', message='empty'),
+      a('save_tree_user_dir_force', '''
+          import numpy as np
+          from dspec import checkpoint
+          checkpoint.save_tree('{sb}/keep', {'a': np.zeros(2)}, {}, force=True)''',
+        message='not a dspec checkpoint', setup=lambda sb, fx: _plant(sb),
+        check=_planted_intact()),
+      a('write_json_through_symlink', '''
+          from dspec import files
+          files.write_json_atomic('{sb}/link.json', {'a': 1})''', expect='ok',
+        setup=lambda sb, fx: (_write(f'{sb}/real.json', 'old'),
+                              os.symlink(f'{sb}/real.json', f'{sb}/link.json')),
+        check=lambda sb, fx, p: None if os.path.islink(f'{sb}/link.json') and json.load(
+            open(f'{sb}/real.json')) == {'a': 1} else 'data loss: symlink replaced'),
+      a('write_json_to_char_device', '''
+          from dspec import files
+          files.write_json_atomic('{sb}/node', {'a': 1})''', expect='ok',
+        setup=lambda sb, fx: os.mknod(f'{sb}/node', stat.S_IFCHR | 0o666, os.makedev(1, 3)),
+        check=lambda sb, fx, p: None if stat.S_ISCHR(os.lstat(f'{sb}/node').st_mode)
+        else 'data loss: device node replaced'),
+      a('write_json_to_directory', '''
+          from dspec import files
+          files.write_json_atomic('{sb}/keep', {'a': 1})''', message='directory',
+        setup=lambda sb, fx: _plant(sb), check=_planted_intact()),
+      a('write_text_to_fifo', '''
+          import os, threading
+          from dspec import files
+          threading.Thread(target=lambda: open('{sb}/fifo').read(), daemon=True).start()
+          files.write_text_atomic('{sb}/fifo', 'hello')''', expect='ok',
+        setup=lambda sb, fx: os.mkfifo(f'{sb}/fifo'),
+        check=lambda sb, fx, p: None if stat.S_ISFIFO(os.lstat(f'{sb}/fifo').st_mode)
+        else 'data loss: fifo replaced'),
+      a('load_distilled_missing', '''
+          from dspec.training.distill import load_distilled
+          load_distilled('{sb}/nope')''', message='nope'),
+      a('load_tokenizer_corrupt', '''
+          from dspec.tokenizer import load_tokenizer
+          load_tokenizer('{sb}/tok', 300)''', message='tokenizer.json',
+        setup=lambda sb, fx: _write(f'{sb}/tok/tokenizer.json', '{"v')),
+      a('config_from_hf_list', '''
+          from dspec.hf_import import config_from_hf
+          config_from_hf([])''', message='JSON object'),
+      a('transformer_config_zero_heads', '''
+          from dspec.models.config import TransformerConfig
+          TransformerConfig(vocab_size=8, num_layers=1, embed_dim=8, num_heads=0,
+                            num_kv_heads=0, head_dim=4, mlp_dim=8)''', message='num_heads'),
+      a('train_checkpointer_flipped_step', '''
+          import numpy as np
+          from dspec import checkpoint
+          ckpt = checkpoint.TrainCheckpointer('{sb}/run/checkpoints')
+          step = ckpt.latest_step()
+          tree, _ = checkpoint.load_tree('{sb}/run/checkpoints/%d' % step)
+          ckpt.restore(step, tree)''', message='corrupt',
+        setup=lambda sb, fx: (_copy(f'{fx}/run4', f'{sb}/run'), _flip_byte(
+            _largest_data_file(f'{sb}/run/checkpoints/4')))),
+      a('directory_lock_held_elsewhere', '''
+          from dspec import files
+          with files.directory_lock('{sb}/run', 'trainer'):
+            pass''', message='another trainer', setup=_hold_lock('run', 'trainer'),
+        check=_release),
+  ]
+
+
+def all_cases() -> list:
+  return (decode_cases() + train_cases() + distill_cases() + convert_cases() + bench_cases()
+          + api_cases())
+
+
+# ------------------------------------------------------------------------------ running
+
+def _limit_memory(gb):
+  def preexec():
+    limit = gb * 2 ** 30
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+  return preexec
+
+
+def classify(case: Case, proc, problem: Optional[str], fill) -> tuple[str, str]:
+  """(category, note) of one finished case."""
+  if proc is None:
+    return 'traceback', 'timed out'
+  stderr = proc.stderr
+  errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
+  if problem and problem.startswith('data loss'):
+    return 'data loss', problem
+  if 'Traceback (most recent call last)' in stderr:
+    last = [line for line in stderr.strip().splitlines() if line.strip()][-1:]
+    return 'traceback', last[0][:160] if last else ''
+  if proc.returncode != 0:
+    if proc.returncode != 1 or len(errors) != 1:
+      return 'traceback', f'exit {proc.returncode}, {len(errors)} error lines'
+    note = errors[0][:160]
+    if problem:
+      return 'silently wrong', problem
+    if case.expect == 'ok':
+      note = 'refused an input that should work: ' + note
+    elif case.message and fill(case.message) not in errors[0]:
+      note = f'(message lacks {case.message!r}) ' + note
+    return 'clean error', note
+  if problem:
+    return 'silently wrong', problem
+  if case.expect == 'error':
+    if case.warning and case.warning in stderr:
+      return 'ok', f'warned: {case.warning}'
+    return 'silently wrong', 'exit 0 where an error was due'
+  return 'ok', ''
+
+
+def run_case(case: Case, scratch: str, fx: str) -> tuple[str, str, float]:
+  sb = os.path.join(scratch, f'{case.group}-{case.name}')
+  os.makedirs(sb)
+  fill = lambda s: s.replace('{sb}', sb).replace('{fx}', fx).replace('{repo}', REPO)
+  argv = [fill(a) for a in case.argv]
+  if argv[0] != PY:
+    argv = [PY] + argv
+  cwd = REPO if case.cwd == 'repo' else os.path.join(sb, case.cwd[3:])
+  t0 = time.time()
+  try:
+    if case.setup:
+      case.setup(sb, fx)
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True,
+                          timeout=case.timeout, preexec_fn=_limit_memory(case.memory_gb))
+  except subprocess.TimeoutExpired:
+    proc = None
+  problem = None
+  if proc is not None and case.check:
+    problem = case.check(sb, fx, proc)
+  _release(sb, fx, proc)
+  category, note = classify(case, proc, problem, fill)
+  return category, note, time.time() - t0
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='', help='comma-separated substrings: run the '
+                      'cases whose group/name contains one of them')
+  parser.add_argument('--json', default='', help='also write the results here')
+  parser.add_argument('--keep', action='store_true', help='keep the scratch directory')
+  args = parser.parse_args()
+  only = args.only.split(',')
+  cases = [c for c in all_cases() if any(o in f'{c.group}/{c.name}' for o in only)]
+  scratch = tempfile.mkdtemp(prefix='dspec-redteam-')
+  fx = os.path.join(scratch, '_fixtures')
+  print(f'{len(cases)} cases; scratch {scratch}', flush=True)
+  build_fixtures(fx)
+  results, counts = [], {c: 0 for c in CATEGORIES}
+  t_start = time.time()
+  try:
+    for i, case in enumerate(cases):
+      category, note, seconds = run_case(case, scratch, fx)
+      counts[category] += 1
+      results.append({'group': case.group, 'name': case.name, 'category': category,
+                      'note': note, 'seconds': round(seconds, 1)})
+      print(f'[{i + 1:3d}/{len(cases)}] {category:14s} {case.group}/{case.name} '
+            f'({seconds:.0f}s) {note}', flush=True)
+  finally:
+    for sb in list(_HOLDERS):
+      _release(sb, fx, None)
+    if not args.keep:
+      shutil.rmtree(scratch, ignore_errors=True)
+  print(f'\n{len(results)} cases in {(time.time() - t_start) / 60:.1f} min')
+  for category in CATEGORIES:
+    print(f'  {category:15s} {counts[category]}')
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'counts': counts, 'cases': results}, f, indent=1)
+  bad = counts['traceback'] + counts['silently wrong'] + counts['data loss']
+  sys.exit(1 if bad else 0)
+
+
+if __name__ == '__main__':
+  main()
