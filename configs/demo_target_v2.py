@@ -22,24 +22,21 @@ Expected: eval/heldout_loss/<corpus> in the log (goal: <= 3.3 nats on python_std
 gsm8k); bf16 exports in <workdir>/export every `export_every` steps and <workdir>/final.
 """
 
-from configs import common
+from configs import common, demo_target
 
 
 def get_config(arg=None):
   args = common.parse_arg(arg, quick=False, minutes=0.0, steps=12000)
-  cfg = common.decode_config('demo')
-  cfg.model.tokenizer_dir = 'demo/tokenizer'
-  cfg.training = common.training_config('target')
+  cfg = demo_target.get_config(f'steps={args.steps},minutes={args.minutes}'
+                               + (',quick' if args.quick else ''))
   t = cfg.training
-  t.num_steps = args.steps
-  t.batch_size = 16
-  t.seq_len = 256
   t.learning_rate = 1.5e-3
   t.schedule = 'wsd'
   t.warmup_ratio = 0.01
   t.decay_ratio = 0.15
-  t.storage_dtype = 'bfloat16'
-  t.max_minutes = args.minutes
+  if args.quick:
+    t.export_every = 2
+    return cfg
   t.init_from = 'demo/target_v2'
   t.continue_from_init = True
   t.log_every = 25
@@ -48,11 +45,4 @@ def get_config(arg=None):
   t.export_every = 250
   # GSM8K train is ~1.3M tokens and the stdlib ~2.4M: package sources keep epochs low.
   t.mixture = {'python_stdlib': 0.3, 'python_packages': 0.5, 'gsm8k': 0.2}
-  if args.quick:
-    cfg.model.shape = dict(common.MODEL_PRESETS['tiny'], vocab_size=8192)
-    t.num_steps, t.batch_size, t.seq_len = 4, 2, 32
-    t.log_every = t.eval_every = t.ckpt_every = t.export_every = 2
-    t.eval_windows = 4
-    t.init_from, t.continue_from_init = '', False
-    t.mixture = {'gsm8k': 1.0}
   return cfg

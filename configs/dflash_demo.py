@@ -50,13 +50,8 @@ def get_config(arg=None):
       'eps_max': 1.0,
       'keep_first': True,          # BD3-LM: first token of each block stays clean
   })
-  cfg.data = ml_collections.ConfigDict({'path': args.data,
-                                        'heldout_fraction': 0.03})
-
-  cfg.training = common.training_config('bd3lm' if args.bd3lm else 'dflash')
-  t = cfg.training
-  t.num_steps = args.steps
-  t.max_minutes = args.minutes
+  t = common.drafter_training(cfg, 'bd3lm' if args.bd3lm else 'dflash', args.data,
+                              args.steps, args.minutes)
   t.batch_size = 8
   t.seq_len = 320                  # distill_demo: <= 192 prompt + 128 written tokens
   t.learning_rate = 6e-4

@@ -44,13 +44,8 @@ def get_config(arg=None):
       'share_final_norm': False,      # True: the target's final norm instead of per-depth
       'shared_depth': False,          # one depth reused recursively (FastMTP)
   })
-  cfg.data = ml_collections.ConfigDict({'path': args.data,
-                                        'heldout_fraction': 0.03})
-
-  cfg.training = common.training_config('mtp_joint' if args.joint else 'mtp_posthoc')
-  t = cfg.training
-  t.num_steps = args.steps
-  t.max_minutes = args.minutes
+  t = common.drafter_training(cfg, 'mtp_joint' if args.joint else 'mtp_posthoc',
+                              args.data, args.steps, args.minutes)
   t.mtp_beta = args.beta if args.beta > 0 else (1.0 if args.joint else 0.6)
   t.mtp_lambda_schedule = ((0.0, 0.3), (0.7, 0.1))   # (fraction of steps, λ): joint only
   t.eval_every = 250

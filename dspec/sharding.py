@@ -3,14 +3,15 @@
 Mesh axes are `data` (batch), `fsdp` (batch, and the params' embed dim) and `tensor`
 (heads, kv heads, MLP, vocab). Sharding is named twice over:
 
-  param path  --PARAM_AXES-->  logical axes  --rules (config)-->  mesh axes
-  state leaf  --name suffix-->  logical axes  --rules (config)-->  mesh axes
+  param path  --PARAM_AXES-->     logical axes  --rules (config)-->  mesh axes
+  state leaf  --LOGICAL_AXES-->   logical axes  --rules (config)-->  mesh axes
 
 Params are matched by their path (`layers/0/self_attn/q_proj/kernel`), so every NNX
 module built from the shared layers (target, MTP depths, DFlash layers) is covered;
-unmatched params are replicated. Decode-state leaves are matched by their shape-suffix
-name (`k_LBSKD`, `tokens_BL`, `carry_GBD`): `B` is the batch axis, `K` the kv-head axis,
-every other axis is replicated. Divisibility: a heads, MLP, vocab or embed size that the
+unmatched params are replicated. Decode-state leaves take the logical axes their struct
+declares (`LOGICAL_AXES` of `KVCache`, `DecodeState`, `MTPState`, ...); a leaf nothing
+declares is an error, so renaming a field cannot silently change its sharding. The rules
+place `batch` and `kv_heads`; every other state axis is replicated. Divisibility: a heads, MLP, vocab or embed size that the
 mesh does not divide is a ValueError naming the dimension; kv heads that the tensor axis
 does not divide are replicated instead (vLLM-style KV replication for tp > kv_heads).
 
@@ -61,9 +62,6 @@ PARAM_AXES = (
     (r'(eh_proj|fc)/kernel$', (None, 'embed')),   # MTP input projection, DFlash fusion
     (r'/weight$', ('norm',)),                     # RMSNorm weights
 )
-
-# Shape-suffix letter of a state leaf -> logical axis.
-SUFFIX_AXES = {'B': 'batch', 'K': 'kv_heads'}
 
 # Logical axis -> the TransformerConfig field whose size must divide by its mesh axes.
 _MODEL_DIMS = {'heads': 'num_heads', 'kv_heads': 'num_kv_heads', 'mlp': 'mlp_dim',
@@ -194,19 +192,26 @@ def param_logical_axes(path: str, ndim: int):
   return (None,) * ndim
 
 
-def suffix_axes(name: str, ndim: int) -> Optional[tuple]:
-  """Logical axes from a shape-suffix name ('k_LBSKD' -> (None, batch, None, kv_heads,
-  None)), or None when the name has no suffix of `ndim` letters."""
-  _, _, suffix = name.rpartition('_')
-  letters = re.findall(r'[A-Z]\d*', suffix)
-  if ''.join(letters) != suffix or len(letters) != ndim:
-    return None
-  return tuple(SUFFIX_AXES.get(l[0]) for l in letters)
+def _child(node, key):
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx]
+  return node[key.key]
 
 
-def suffix_logical_axes(name: str, ndim: int):
-  """`suffix_axes`, replicated (all None) for names without a suffix."""
-  return suffix_axes(name, ndim) or (None,) * ndim
+def state_logical_axes(tree, path, ndim: int) -> tuple:
+  """The logical axes of a decode-state leaf, as declared by the `LOGICAL_AXES` of the
+  struct holding it (`KVCache`, `DecodeState`, drafter states, ...); ValueError naming the
+  leaf when nothing declares it."""
+  parent = tree
+  for key in path[:-1]:
+    parent = _child(parent, key)
+  axes = getattr(type(parent), 'LOGICAL_AXES', {}).get(_key_name(path[-1]))
+  if axes is None or len(axes) != ndim:
+    raise ValueError(f'state leaf {path_str(path)!r} ({ndim} dims) has no declared logical '
+                     f'axes: add it to LOGICAL_AXES of {type(parent).__name__}')
+  return axes
 
 
 def find_model_config(tree) -> Optional[TransformerConfig]:
@@ -256,8 +261,13 @@ class Placement:
     return self._tree_specs(tree, param_logical_axes)
 
   def state_specs(self, tree) -> Any:
-    """PartitionSpec per state leaf (by shape-suffix name)."""
-    return self._tree_specs(tree, lambda p, n: suffix_logical_axes(p.rpartition('/')[2], n))
+    """PartitionSpec per decode-state leaf (by its declared `LOGICAL_AXES`)."""
+    def one(path, x):
+      if not hasattr(x, 'shape'):
+        return x
+      return partition_spec(state_logical_axes(tree, path, x.ndim), x.shape, self.rules,
+                            self.mesh, path_str(path))
+    return jax.tree_util.tree_map_with_path(one, tree)
 
   def batch_specs(self, tree) -> Any:
     """Leading axis of every leaf on the batch axes (training batches)."""

@@ -10,8 +10,8 @@ row as soon as it finishes:
      buffer length and one compiled step serve every request);
   2. run engine steps on device until some row finishes (or `steps_per_sync` steps);
   3. read back the finished rows, then prefill each waiting request alone (batch 1) and
-     write its state into the freed row: every leaf of the decode state whose
-     shape-suffix name has a `B` axis (tokens, lengths, KV caches, drafter caches, stats)
+     write its state into the freed row: every leaf of the decode state whose declared
+     logical axes have a batch axis (tokens, lengths, KV caches, drafter caches, stats)
      takes the new row; scalars (step, key, sampling values) are shared.
 
 Outputs are per request and lossless as with `generate` (each row is its own sequence;
@@ -28,22 +28,15 @@ import jax.numpy as jnp
 
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.sharding import path_str, suffix_axes
-
-
-def _batch_axis(path, x):
-  """Index of the batch axis of a state leaf (by its suffix name), or None (shared)."""
-  axes = suffix_axes(path_str(path).rpartition('/')[2], x.ndim)
-  if axes is None and x.ndim:
-    raise ValueError(f'cannot refill rows: state leaf {path_str(path)!r} has no '
-                     'shape-suffix name telling its batch axis')
-  return axes.index('batch') if axes and 'batch' in axes else None
+from dspec.sharding import state_logical_axes
 
 
 def _insert_row(state, row_state, row):
-  """`state` with batch row `row` replaced by the (batch-1) `row_state`."""
+  """`state` with batch row `row` replaced by the (batch-1) `row_state`: every leaf with
+  a declared batch axis takes the new row; the others (step, key, ...) are shared."""
   def put(path, x, y):
-    axis = _batch_axis(path, x)
+    axes = state_logical_axes(state, path, x.ndim)
+    axis = axes.index('batch') if 'batch' in axes else None
     if axis is None:
       return x
     return jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), row, axis)

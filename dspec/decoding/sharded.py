@@ -59,7 +59,8 @@ class ShardedEngine:
     def build():
       fn = functools.partial(self.engine.prefill_fn, buffer_len=buffer_len)
       out = jax.eval_shape(fn, *args)
-      batch_in = self._state_sh({'prompt_BP': prompt_BP, 'prompt_len_B': prompt_len_B})
+      batch_in = self.placement.shardings(self.placement.batch_specs(
+          {'prompt_BP': prompt_BP, 'prompt_len_B': prompt_len_B}))
       rep = self.placement.shardings(jax.sharding.PartitionSpec())
       return jax.jit(fn, in_shardings=(
           _shardings_of(target_params), _shardings_of(drafter_params),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import jax.numpy as jnp
 from flax import struct
@@ -36,6 +36,9 @@ class Proposal(NamedTuple):
   num_proposed_B: jnp.ndarray
   q_BGV: Optional[jnp.ndarray] = None
 
+  LOGICAL_AXES = {'tokens_BG': ('batch', None), 'num_proposed_B': ('batch',),
+                  'q_BGV': ('batch', None, 'vocab')}
+
 
 @struct.dataclass
 class DecodeStats:
@@ -54,6 +57,10 @@ class DecodeStats:
   accepted_B: jnp.ndarray           # draft tokens accepted
   row0_committed_S: jnp.ndarray     # row 0: tokens committed at verify step s
 
+  LOGICAL_AXES: ClassVar[dict] = {
+      'steps_B': ('batch',), 'committed_B': ('batch',), 'accept_hist_BG1': ('batch', None),
+      'proposed_B': ('batch',), 'accepted_B': ('batch',), 'row0_committed_S': (None,)}
+
   @classmethod
   def zeros(cls, batch: int, gamma: int, max_steps: int) -> 'DecodeStats':
     z = jnp.zeros((batch,), jnp.int32)
@@ -68,6 +75,9 @@ class DecodeTrace:
   drafts_SG: jnp.ndarray            # the drafted tokens (slots >= num_proposed unused)
   num_proposed_S: jnp.ndarray
   num_accepted_S: jnp.ndarray
+
+  LOGICAL_AXES: ClassVar[dict] = {'drafts_SG': (None, None), 'num_proposed_S': (None,),
+                                  'num_accepted_S': (None,)}
 
   @classmethod
   def zeros(cls, max_steps: int, gamma: int) -> 'DecodeTrace':
@@ -92,6 +102,11 @@ class DecodeState:
   max_new_tokens: jnp.ndarray   # scalar
   stats: DecodeStats
   trace: Optional[DecodeTrace] = None
+
+  LOGICAL_AXES: ClassVar[dict] = {
+      'tokens_BL': ('batch', None), 'num_tokens_B': ('batch',), 'prompt_len_B': ('batch',),
+      'done_B': ('batch',), 'key': (), 'step': (), 'temperature': (), 'top_p': (),
+      'max_new_tokens': ()}
 
   def generated_B(self):
     return self.num_tokens_B - self.prompt_len_B

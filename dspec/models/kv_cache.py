@@ -6,6 +6,8 @@ length are never attended (the mask is by position) and are overwritten by the n
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax.numpy as jnp
 from flax import struct
 
@@ -18,11 +20,22 @@ class KVCache:
   v_LBSKD: jnp.ndarray
   lengths_B: jnp.ndarray   # int32: number of valid positions per sequence.
 
+  # Logical axes of each field (`dspec.sharding`: mesh placement, row refills).
+  LOGICAL_AXES: ClassVar[dict] = {
+      'k_LBSKD': ('layers', 'batch', 'cache_len', 'kv_heads', 'head_dim'),
+      'v_LBSKD': ('layers', 'batch', 'cache_len', 'kv_heads', 'head_dim'),
+      'lengths_B': ('batch',)}
+
   @classmethod
   def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32):
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                jnp.zeros((batch,), jnp.int32))
+
+  @classmethod
+  def for_model(cls, cfg, num_layers: int, batch: int, max_len: int) -> 'KVCache':
+    """Zeros shaped for a model config's KV heads, head size and compute dtype."""
+    return cls.zeros(num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
 
   @property
   def max_len(self) -> int:

@@ -41,9 +41,7 @@ class Transformer(nnx.Module):
           _EMBED_INIT(rngs.params(), (cfg.embed_dim, cfg.vocab_size), cfg.param_dtype))
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
-    c = self.cfg
-    return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
-                         c.dtype)
+    return KVCache.for_model(self.cfg, self.cfg.num_layers, batch, max_len)
 
   def embed(self, tokens_BT):
     return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.cfg.dtype)

@@ -202,15 +202,12 @@ def _to_heads_major(x_BTHD):
   return jnp.swapaxes(x_BTHD, 1, 2)
 
 
-def forward(q_BTHD, k_BSKD, v_BSKD, info: mask_info_lib.BlockInfo, *,
-            scale: float, block_q: int, block_kv: int, interpret: bool = False):
-  """Returns ``(o_BTHD, lse_BHTL)``; lse is lane-replicated (L = 128)."""
-  q, k, v = map(_to_heads_major, (q_BTHD, k_BSKD, v_BSKD))
-  batch, num_heads, q_len, head_dim = q.shape
-  groups = num_heads // k.shape[1]
-  num_q_tiles = q_len // block_q
-  max_tiles = info.fwd.entries.shape[-1]
-  num_bounds = info.bounds.shape[1]
+def _q_major_specs(num_q_tiles: int, max_tiles: int, groups: int, block_q: int,
+                   block_kv: int, head_dim: int):
+  """Block specs of the q-major iteration (grid (b, h, q tile, kv entry)) shared by the
+  forward and the dq pass: (q / o / do spec, kv spec, lane-row spec, bounds index map).
+  The kv tile of step t is the t-th entry of the q tile's list (`entries`, scalar
+  prefetched)."""
 
   def q_map(b, h, i, t, entries, count):
     del t, entries, count
@@ -225,9 +222,23 @@ def forward(q_BTHD, k_BSKD, v_BSKD, info: mask_info_lib.BlockInfo, *,
     del h, t, entries, count
     return b, 0, i, 0
 
-  q_spec = pl.BlockSpec((None, None, block_q, head_dim), q_map)
-  kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
-  row_spec = pl.BlockSpec((None, None, block_q, NUM_LANES), q_map)
+  return (pl.BlockSpec((None, None, block_q, head_dim), q_map),
+          pl.BlockSpec((None, None, block_kv, head_dim), kv_map),
+          pl.BlockSpec((None, None, block_q, NUM_LANES), q_map), bounds_map)
+
+
+def forward(q_BTHD, k_BSKD, v_BSKD, info: mask_info_lib.BlockInfo, *,
+            scale: float, block_q: int, block_kv: int, interpret: bool = False):
+  """Returns ``(o_BTHD, lse_BHTL)``; lse is lane-replicated (L = 128)."""
+  q, k, v = map(_to_heads_major, (q_BTHD, k_BSKD, v_BSKD))
+  batch, num_heads, q_len, head_dim = q.shape
+  groups = num_heads // k.shape[1]
+  num_q_tiles = q_len // block_q
+  max_tiles = info.fwd.entries.shape[-1]
+  num_bounds = info.bounds.shape[1]
+
+  q_spec, kv_spec, row_spec, bounds_map = _q_major_specs(
+      num_q_tiles, max_tiles, groups, block_q, block_kv, head_dim)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(batch, num_heads, num_q_tiles, max_tiles),
@@ -275,22 +286,8 @@ def backward(q_BTHD, k_BSKD, v_BSKD, o_BTHD, lse_BHTL, do_BTHD,
   # dq: same iteration space as the forward pass.
   max_kv = info.fwd.entries.shape[-1]
 
-  def q_map(b, h, i, t, entries, count):
-    del t, entries, count
-    return b, h, i, 0
-
-  def kv_map(b, h, i, t, entries, count):
-    del count
-    entry = entries[(b * num_q_tiles + i) * max_kv + t]
-    return b, lax.div(h, groups), lax.div(entry, 2), 0
-
-  def bounds_map(b, h, i, t, entries, count):
-    del h, t, entries, count
-    return b, 0, i, 0
-
-  q_spec = pl.BlockSpec((None, None, block_q, head_dim), q_map)
-  kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
-  row_spec = pl.BlockSpec((None, None, block_q, NUM_LANES), q_map)
+  q_spec, kv_spec, row_spec, bounds_map = _q_major_specs(
+      num_q_tiles, max_kv, groups, block_q, block_kv, head_dim)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, num_q_tiles=num_q_tiles,
                         max_tiles=max_kv, num_intervals=num_bounds // 2),

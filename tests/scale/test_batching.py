@@ -23,8 +23,8 @@ def test_refilled_rows_match_static_batches(tiny_split):
   assert sum(out['steps']) == out['live_row_steps']
 
 
-def test_unnamed_state_leaf_cannot_be_refilled():
+def test_undeclared_state_leaf_cannot_be_refilled():
   import jax.numpy as jnp
   from dspec.decoding.batching import _insert_row
-  with pytest.raises(ValueError, match='shape-suffix'):
+  with pytest.raises(ValueError, match='no declared logical axes'):
     _insert_row({'mystery': jnp.zeros((2, 3))}, {'mystery': jnp.zeros((1, 3))}, 0)

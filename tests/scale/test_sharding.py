@@ -11,10 +11,13 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from configs import common
 from dspec import sharding
+from dspec.decoding.state import DecodeStats
+from dspec.models.kv_cache import KVCache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, 'golden', 'param_specs_fsdp2_tensor4.json')
@@ -121,13 +124,19 @@ def test_parse_mesh_spec():
       sharding.parse_mesh_spec(bad)
 
 
-def test_logical_axes_from_paths_and_suffix_names():
+def test_logical_axes_from_param_paths_and_declared_state_axes():
   assert sharding.param_logical_axes('layers/3/self_attn/k_proj/kernel', 2) == \
       ('embed', 'kv_heads')
   assert sharding.param_logical_axes('depths/0/eh_proj/kernel', 2) == (None, 'embed')
   assert sharding.param_logical_axes('mystery', 3) == (None, None, None)
-  assert sharding.suffix_logical_axes('k_LBSKD', 5) == (None, 'batch', None, 'kv_heads',
-                                                        None)
-  assert sharding.suffix_logical_axes('accept_hist_BG1', 2) == ('batch', None)
-  assert sharding.suffix_logical_axes('step', 0) == ()
-  assert sharding.suffix_logical_axes('tokens_BL', 3) == (None, None, None)
+  cache = KVCache.zeros(1, 2, 4, 1, 3)
+  state = {'cache': cache, 'stats': DecodeStats.zeros(2, 3, 5)}
+  axes = {sharding.path_str(p): sharding.state_logical_axes(state, p, x.ndim)
+          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  assert axes['cache/k_LBSKD'] == ('layers', 'batch', 'cache_len', 'kv_heads', 'head_dim')
+  assert axes['stats/accept_hist_BG1'] == ('batch', None)
+  assert axes['stats/row0_committed_S'] == (None,)
+  renamed = {'cache': {'k_LBSKD': cache.k_LBSKD}}   # a leaf nothing declares
+  path = jax.tree_util.tree_flatten_with_path(renamed)[0][0][0]
+  with pytest.raises(ValueError, match='no declared logical axes'):
+    sharding.state_logical_axes(renamed, path, 5)

@@ -102,9 +102,7 @@ class DFlashDrafter(DrafterBase):
   def init(self, params, target, ctx, prefill_out):
     model = nnx.merge(self.graphdef, params)
     b, capacity = ctx.tokens_BL.shape
-    c = model.layer_cfg
-    cache = KVCache.zeros(c.num_layers, b, capacity, c.num_kv_heads, c.head_dim,
-                          c.dtype)
+    cache = KVCache.for_model(model.layer_cfg, model.layer_cfg.num_layers, b, capacity)
     t = prefill_out.taps_BTND.shape[1]
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     cache = _append_context(model, cache, target, prefill_out.taps_BTND, positions_BT)

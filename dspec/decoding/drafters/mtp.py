@@ -28,7 +28,7 @@ only): its depths share depth 1's window and each drafts from its own carry.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,8 @@ class MTPState:
 
   cache: KVCache
   carry_GBD: jnp.ndarray
+
+  LOGICAL_AXES: ClassVar[dict] = {'carry_GBD': (None, 'batch', None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +161,7 @@ class MTPDrafter(DrafterBase):
     mtp = nnx.merge(self.graphdef, params)
     b, length = ctx.tokens_BL.shape
     t = self.target_cfg
-    cache = KVCache.zeros(self.num_draft, b, length, t.num_kv_heads, t.head_dim,
-                          t.dtype)
+    cache = KVCache.for_model(t, self.num_draft, b, length)
     h0_BWD = mtp.h0(prefill_out)
     w = h0_BWD.shape[1]
     j_BW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))

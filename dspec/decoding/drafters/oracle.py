@@ -13,18 +13,26 @@ one-token rollout and the γ+1-token verify forward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import ClassVar, Tuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from dspec.decoding.drafter import DrafterBase, check_num_draft
 from dspec.decoding.state import Proposal
 
 
+@struct.dataclass
+class OracleState:
+  ref_BL: jnp.ndarray   # prompt + the target's greedy continuation, per row
+
+  LOGICAL_AXES: ClassVar[dict] = {'ref_BL': ('batch', None)}
+
+
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter(DrafterBase):
-  """State: the reference sequences `[B, L]` (prompt + greedy continuation)."""
+  """State: `OracleState`, the reference sequences (prompt + greedy continuation)."""
 
   num_draft: int = 8
   acceptance: Tuple[float, ...] = (1.0,)
@@ -57,12 +65,13 @@ class OracleDrafter(DrafterBase):
     cache = prefill_out.cache.with_lengths(ctx.num_tokens_B - 1)
     _, ref_BL, _ = jax.lax.while_loop(lambda c: c[0] < steps, body,
                                       (jnp.zeros((), jnp.int32), ctx.tokens_BL, cache))
-    return ref_BL
+    return OracleState(ref_BL)
 
-  def update(self, params, ref_BL, target, ctx, verify_out, start_B, num_accepted_B):
-    return ref_BL
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return state
 
-  def propose(self, params, ref_BL, target, ctx, key):
+  def propose(self, params, state, target, ctx, key):
+    ref_BL = state.ref_BL
     b, length = ref_BL.shape
     j = jnp.arange(self.num_draft)[None, :]
     idx = jnp.clip(ctx.num_tokens_B[:, None] + j, 0, length - 1)
