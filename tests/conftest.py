@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import jax
 from flax import nnx
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +48,11 @@ def tiny_split(tiny_model):
 
 
 def generate(engine, params, drafter_params, prompts, max_new_tokens, **kw):
-  """Runs prefill + on-device loop; returns (generated ids per row, final state)."""
+  """Runs prefill + on-device loop under `jax.transfer_guard('disallow')` (no implicit
+  transfer may hide in the decode path); returns (generated ids per row, final state)."""
   prompt_BP, lens = pad_prompts(prompts)
-  state = engine.prefill(params, drafter_params, prompt_BP, lens,
-                         max_new_tokens=max_new_tokens, **kw)
-  state = engine.generate(params, drafter_params, state)
+  with jax.transfer_guard('disallow'):
+    state = engine.prefill(params, drafter_params, prompt_BP, lens,
+                           max_new_tokens=max_new_tokens, **kw)
+    state = engine.generate(params, drafter_params, state)
   return generated_ids(state), state

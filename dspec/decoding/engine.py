@@ -26,6 +26,7 @@ from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspec.decoding import drafter as drafter_lib
@@ -208,14 +209,16 @@ class SpeculativeEngine:
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
               temperature=0.0, top_p=1.0, max_new_tokens, seed=0) -> DecodeState:
     buffer_len = self.buffer_len(prompt_BP.shape[1], max_new_tokens)
-    return _programs(self)['prefill'](target_params, drafter_params, prompt_BP,
-                                      prompt_len_B, temperature, top_p, max_new_tokens,
-                                      seed, buffer_len=buffer_len)
+    inputs = jax.device_put((np.asarray(prompt_BP, np.int32),
+                             np.asarray(prompt_len_B, np.int32), np.float32(temperature),
+                             np.float32(top_p), np.int32(max_new_tokens), np.int32(seed)))
+    return _programs(self)['prefill'](target_params, drafter_params, *inputs,
+                                      buffer_len=buffer_len)
 
   def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
           until_row_done: bool = False) -> DecodeState:
     """`run_fn` jitted (the state is donated); `max_steps` None: no step limit."""
-    limit = jnp.asarray(NO_STEP_LIMIT if max_steps is None else max_steps, jnp.int32)
+    limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps))
     name = 'run_until_row_done' if until_row_done else 'run'
     return _programs(self)[name](target_params, drafter_params, state, limit)
 

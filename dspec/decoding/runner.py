@@ -8,6 +8,7 @@ their medians count; AR runs in the same process on the same prompts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -115,7 +116,8 @@ def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_le
   state = timed[-1][0]
   prefill_s = statistics.median(r[1] for r in timed)
   decode_s = statistics.median(r[2] for r in timed)
-  new_tokens = int(np.sum(np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)))
+  num_tokens_B, prompt_len_B = jax.device_get((state.num_tokens_B, state.prompt_len_B))
+  new_tokens = int(np.sum(num_tokens_B - prompt_len_B))
   return {'state': state, 'decode_s': decode_s, 'prefill_s': prefill_s,
           'compile_s': max(0.0, first_s - decode_s - prefill_s) if settings.timing_repeats
           else 0.0,
@@ -158,9 +160,14 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                                 config=ControllerConfig(tiers=tiers), trace=trace)
 
 
+def _transfer_guard(debug: bool):
+  """No implicit host/device transfers inside (`debug`), else no-op."""
+  return jax.transfer_guard('disallow') if debug else contextlib.nullcontext()
+
+
 def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None, *,
            settings: Settings = Settings(), batch_size: int = 0, compare_ar: bool = False,
-           verify_length: str = 'auto', trace: bool = False,
+           verify_length: str = 'auto', trace: bool = False, debug: bool = False,
            placement: Optional[sharding.Placement] = None,
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
@@ -168,7 +175,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
   `compare_ar`, AR runs first on the same prompts and the report gets `speedup` (AR decode
   time / this decode time) and `lossless` (greedy: outputs equal AR's). verify_length:
-  see `speculative_engine` (a mesh `placement` runs 'fixed').
+  see `speculative_engine` (a mesh `placement` runs 'fixed'). debug: generation runs under
+  `jax.transfer_guard('disallow')`, so an implicit host/device transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
   drafter = drafter or drafter_lib.NoDrafter()
@@ -188,7 +196,9 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   if compare_ar:
     progress('AR baseline')
     ar_engine = wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids))
-    ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B, settings)
+    with _transfer_guard(debug):
+      ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B,
+                            settings)
   progress('decoding' if not settings.timing_repeats else
            f'decoding (warm-up + {settings.timing_repeats} timed runs)')
   if placement:
@@ -197,8 +207,9 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   else:
     engine = speculative_engine(graphdef, drafter, spec, stop_ids,
                                 verify_length=verify_length, trace=trace)
-  run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                         settings, drafter_lib.host_drafter_factory(drafter))
+  with _transfer_guard(debug):
+    run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
+                           settings, drafter_lib.host_drafter_factory(drafter))
   state = run['state']
   ids = generated_ids(state)[:len(rows)]
   metrics = acceptance_metrics(state.stats)
@@ -266,8 +277,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   drafter, drafter_params = registry.build_drafter(cfg, model)
   out = decode(target, prompts, drafter, drafter_params, settings=settings,
                batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
-               verify_length=cfg.verify_length, trace=trace, placement=placement,
-               progress=progress)
+               verify_length=cfg.verify_length, trace=trace, debug=cfg.debug,
+               placement=placement, progress=progress)
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

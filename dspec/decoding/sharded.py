@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.experimental import multihost_utils
 
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine
@@ -98,7 +98,7 @@ class ShardedEngine:
     key = (until_row_done, jax.tree.structure(state),
            tuple(x.shape for x in jax.tree.leaves(state)))
     fn = self._jitted('run', key, build)
-    limit = jnp.asarray(NO_STEP_LIMIT if max_steps is None else max_steps, jnp.int32)
+    limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps))
     with self.placement.context():
       state = fn(target_params, drafter_params, state, limit)
     return gather_outputs(state) if jax.process_count() > 1 else state
