@@ -1,9 +1,13 @@
 """What the command-line tools print besides their results: one status line per phase (on
-stderr), progress bars, and library logs kept quiet unless asked for."""
+stderr), progress bars, and library logs kept quiet unless asked for.
+
+Importing this module defines the `--quiet` flag (no status lines, no progress bars).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -11,17 +15,20 @@ from absl import flags
 from absl import logging as absl_logging
 
 _NOISY_LOGGERS = ('absl', 'orbax', 'jax', 'etils')
+QUIET = flags.DEFINE_bool('quiet', False, 'No status lines and no progress bars.')
 
 
-def configure(quiet: bool = False) -> 'Status':
+def configure() -> 'Status':
   """Silences library INFO logs (orbax, absl, jax) unless `--verbosity` >= 1 was given;
-  returns the status printer (silent with `quiet`)."""
+  with `--quiet` also every tqdm bar (TQDM_DISABLE). Returns the status printer."""
   verbosity = flags.FLAGS['verbosity'] if 'verbosity' in flags.FLAGS else None
   if verbosity is None or not verbosity.present or verbosity.value < 1:
     absl_logging.set_verbosity(absl_logging.WARNING)
     for name in _NOISY_LOGGERS:
       logging.getLogger(name).setLevel(logging.WARNING)
-  return Status(quiet)
+  if QUIET.value:
+    os.environ['TQDM_DISABLE'] = '1'
+  return Status(QUIET.value)
 
 
 class Status:
@@ -35,8 +42,3 @@ class Status:
     if not self.quiet:
       print(f'[dspec {time.perf_counter() - self._start:6.1f}s] {message}', file=sys.stderr,
             flush=True)
-
-  @property
-  def bars(self) -> bool:
-    """Whether progress bars should show (tqdm's `disable` is `not bars`)."""
-    return not self.quiet

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
+from dspec import cli, console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_demo.py',
                                           'Benchmark config file.', lock_config=True)
@@ -30,6 +30,7 @@ _DOCS_DIR = flags.DEFINE_string('docs_dir', 'docs', 'Plot links are relative to 
 
 def main(argv):
   del argv
+  status = console.configure()
   from dspec.bench import harness, report  # heavy imports after flag parsing
   if _RENDER.value:
     if not os.path.exists(os.path.join(_RENDER.value, report.RESULTS)):
@@ -39,6 +40,7 @@ def main(argv):
   if not _OUT_DIR.value:
     raise cli.UserError('give --out_dir=DIR')
   command = 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
+  status(f'benchmark into {_OUT_DIR.value}: loading the target and drafters')
   rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command)
   print(f'{len(rows)} rows -> {os.path.join(_OUT_DIR.value, report.RESULTS)}, '
         f'{report.MARKDOWN}, plots')

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
+from dspec import cli, console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
                                           lock_config=True)
@@ -25,7 +25,6 @@ _PROMPT = flags.DEFINE_multi_string('prompt', None, 'Prompt text (repeat for a b
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'Comma-separated prompt token ids.')
 _METRICS_JSON = flags.DEFINE_string('metrics_json', None, 'Where to write the metrics JSON.')
 _TRACE_JSON = flags.DEFINE_string('trace_json', None, "Where to write row 0's step trace.")
-_QUIET = flags.DEFINE_bool('quiet', False, 'No status lines.')
 
 _METRIC_KEYS = ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate',
                 'tokens_per_s', 'ar_tokens_per_s', 'speedup', 'lossless', 'compile_s')
@@ -40,8 +39,8 @@ def _parse_ids(text: str) -> list:
 
 def main(argv):
   del argv
-  from dspec import console, sharding
-  status = console.configure(_QUIET.value)
+  from dspec import sharding
+  status = console.configure()
   sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec import files  # heavy imports after flag parsing
   from dspec.decoding import runner

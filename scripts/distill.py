@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
+from dspec import cli, console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Distillation config file.',
                                           lock_config=True)
@@ -22,7 +22,9 @@ _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Output dataset directory.', req
 
 def main(argv):
   del argv
+  status = console.configure()
   from dspec.training import distill
+  status(f'distilling into {_OUT_DIR.value} (resumes from complete shards)')
   manifest = distill.distill(_CONFIG.value, _OUT_DIR.value)
   print(f'distilled {manifest["num_prompts"]} prompts into {len(manifest["shards"])} shards '
         f'({manifest["num_tokens_written"]} target-written tokens) at {_OUT_DIR.value}')

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from dspec import cli  # noqa: E402

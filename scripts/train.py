@@ -9,10 +9,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
+from dspec import cli, console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.',
                                           lock_config=True)
@@ -22,12 +22,15 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Output dir (default: training.w
 
 def main(argv):
   del argv
+  status = console.configure()
   from dspec import sharding
   sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec.training import tasks  # heavy imports after flag parsing
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or cfg.training.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
+  status(f'training {cfg.training.task} in {workdir} (metrics: one JSON line per '
+         f'{cfg.training.log_every} steps, and {workdir}/train_log.jsonl)')
   result = tasks.run_training(cfg, workdir)
   print(f'training done: {result["steps"]} steps this run; workdir={workdir}')
 

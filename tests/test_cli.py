@@ -36,6 +36,31 @@ def test_metrics_json_has_every_design_key(tmp_path):
   assert 'lossless=True' in stdout
 
 
+def test_output_is_quiet_echoes_the_prompt_and_writes_a_trace(tmp_path):
+  trace_path = tmp_path / 'trace.json'
+  rc, stdout, stderr = _run('--config=configs/tiny.py', '--prompt=abcabcabc',
+                            '--config.drafter=ngram', '--config.max_new_tokens=10',
+                            '--config.timing_repeats=0', f'--trace_json={trace_path}')
+  assert rc == 0, stderr
+  assert stdout.startswith('prompt:\nabcabcabc\n----- continuation -----\n')
+  assert not [line for line in stderr.splitlines() if line[:1] in 'IW' and line[1:5].isdigit()]
+  phases = [line for line in stderr.splitlines() if line.startswith('[dspec')]
+  assert any('loading' in p for p in phases) and any('decoding' in p for p in phases)
+  trace = json.loads(trace_path.read_text())
+  assert sum(len(s['committed']) for s in trace['steps']) == 9   # + the prefill's token
+  rc, stdout, stderr = _run('--config=configs/tiny.py', '--prompt=abc', '--quiet')
+  assert rc == 0 and not stderr.strip(), stderr
+
+
+@pytest.mark.parametrize('old,new', [('drafters.ngram.draft_len', 'drafters.ngram.num_draft'),
+                                     ('drafters.dflash.block_size', 'drafters.dflash.num_draft')])
+def test_renamed_config_fields_name_the_new_one(old, new):
+  rc, _, stderr = _run('--config=configs/tiny.py', f'--config.{old}=4')
+  assert rc == 1 and stderr.strip().splitlines() == [
+      f'error: config field {old} was renamed: use {new}' + (
+          ' (= block size - 1)' if 'dflash' in old else '')]
+
+
 BAD_INPUTS = {
     'empty_prompt': (['--prompt='], 'empty prompt'),
     'prompt_too_long': (['--config.model.max_seq_len=16', '--prompt_ids=' + ','.join(
