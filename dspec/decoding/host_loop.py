@@ -3,6 +3,12 @@
 Each iteration lets the host drafter propose from its copy of the committed tokens, runs
 the engine's jitted step with that proposal, and reads back only what the step committed
 (at most γ + 1 tokens per row, plus the counters), never the whole token buffer.
+
+With `fallback` (an engine over the same state that verifies nothing, i.e. plain AR), a
+drafter that keeps proposing nothing stops costing a host round trip per token: after
+`patience` empty steps the loop runs AR chunks on device (`chunk` steps, doubling while
+the drafter still has nothing to say, up to `max_chunk`) and asks the drafter again
+after each one.
 """
 
 from __future__ import annotations
@@ -25,21 +31,38 @@ def _committed_since(state, since_B, width: int):
   return state.tokens_BL[jnp.arange(b)[:, None], idx_BW], state.num_tokens_B, state.done_B
 
 
-def generate_host_loop(engine, target_params, drafter_params, state, host_drafter):
-  """Runs `engine.step` until every row is done, proposals coming from `host_drafter`."""
+def _read_back(state, sequences, num, width):
+  """Appends what was committed since `num` to `sequences`; returns (num, done)."""
+  new_BW, new_num, done = jax.device_get(
+      _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
+  for b, seq in enumerate(sequences):
+    seq.extend(new_BW[b, :new_num[b] - num[b]].tolist())
+  return new_num, done
+
+
+def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
+                       fallback=None, patience: int = 4, chunk: int = 8,
+                       max_chunk: int = 128):
+  """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
+  (with `fallback`, AR chunks while it proposes nothing; module docstring)."""
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
   host_drafter.start(sequences)
-  width = engine.num_draft + 1
+  empty, ar_chunk = 0, chunk
   while not done.all():
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
+    if fallback is not None:
+      empty = empty + 1 if not np.any(np.asarray(num_B)[~done]) else 0
+    if empty > patience:
+      # Read back at most what AR committed: ar_chunk tokens per row.
+      state = fallback.run(target_params, drafter_params, state, ar_chunk)
+      num, done = _read_back(state, sequences, num, ar_chunk)
+      ar_chunk = min(2 * ar_chunk, max_chunk)
+      continue
+    ar_chunk = chunk
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
                                        np.asarray(num_B, np.int32)))
     state = engine.step(target_params, drafter_params, state, proposal)
-    new_BW, new_num, done = jax.device_get(
-        _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
-    for b, seq in enumerate(sequences):
-      seq.extend(new_BW[b, :new_num[b] - num[b]].tolist())
-    num = new_num
+    num, done = _read_back(state, sequences, num, engine.num_draft + 1)
   host_drafter.finish(sequences)
   return state

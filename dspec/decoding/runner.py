@@ -85,8 +85,11 @@ class Target:
 
 
 def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                   settings: Settings, host_factory: Optional[Callable] = None):
-  """prefill + decode once; returns (final state, prefill seconds, decode seconds)."""
+                   settings: Settings, host_factory: Optional[Callable] = None,
+                   host_fallback=None):
+  """prefill + decode once; returns (final state, prefill seconds, decode seconds).
+  Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
+  while they propose nothing."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
@@ -96,20 +99,22 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   if host_factory is None:
     state = engine.generate(target_params, drafter_params, state)
   else:
-    state = generate_host_loop(engine, target_params, drafter_params, state, host_factory())
+    state = generate_host_loop(engine, target_params, drafter_params, state, host_factory(),
+                               fallback=host_fallback)
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 
 
 def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                     settings: Settings, host_factory: Optional[Callable] = None) -> dict:
+                     settings: Settings, host_factory: Optional[Callable] = None,
+                     host_fallback=None) -> dict:
   """A warm-up (compile) run, then `timing_repeats` runs whose medians are reported; with
   `timing_repeats` 0 the single run is the result (its time includes compilation)."""
   runs = []
   t = time.perf_counter()
   for _ in range(1 + settings.timing_repeats):
     runs.append(run_generation(engine, target_params, drafter_params, prompt_BP,
-                               prompt_len_B, settings, host_factory))
+                               prompt_len_B, settings, host_factory, host_fallback))
   first_s = time.perf_counter() - t if not settings.timing_repeats else \
       runs[0][1] + runs[0][2]
   timed = runs[1:] or runs
@@ -147,8 +152,8 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                        verify_length: str = 'auto', trace: bool = False):
   """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
   picks each chunk's verify length from CONTROLLER_TIERS (up to the drafter's num_draft;
-  tier 0 is plain AR); with 'fixed' (and for AR or host-side drafters) every step
-  verifies the drafter's whole proposal."""
+  tier 0 is plain AR); with 'fixed' (and for AR or host-side drafters, whose 'auto' is the
+  host loop's AR fallback, `host_fallback`) every step verifies the whole proposal."""
   if verify_length not in VERIFY_LENGTHS:
     raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
   gamma = drafter.num_draft
@@ -207,9 +212,13 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   else:
     engine = speculative_engine(graphdef, drafter, spec, stop_ids,
                                 verify_length=verify_length, trace=trace)
+  host_factory = drafter_lib.host_drafter_factory(drafter)
+  fallback = None
+  if host_factory and verify_length == 'auto' and not placement:
+    fallback = engine.with_drafter(drafter_lib.TruncatedDrafter(drafter, 0))
   with _transfer_guard(debug):
     run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                           settings, drafter_lib.host_drafter_factory(drafter))
+                           settings, host_factory, fallback)
   state = run['state']
   ids = generated_ids(state)[:len(rows)]
   metrics = acceptance_metrics(state.stats)
@@ -218,7 +227,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
-      verify_length='auto' if isinstance(engine, VerifyLengthController) else 'fixed')
+      verify_length='auto' if isinstance(engine, VerifyLengthController) or fallback
+      else 'fixed')
   tiers = None
   if isinstance(engine, VerifyLengthController):
     metrics['tier_steps'] = engine.tier_steps()

@@ -8,6 +8,7 @@ import pytest
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
+from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
 from dspec.decoding.prompts import generated_ids
@@ -180,3 +181,39 @@ def test_suffix_decoding_is_lossless(tiny_split, prompts):
     accepted.append(np.asarray(state.stats.accepted_B).tolist())
   assert accepted[0] == accepted[1]
   assert sum(accepted[0]) > 0
+
+
+class _SilentHostDrafter:
+  """Proposes nothing, and counts how often it was asked."""
+
+  num_draft = 4
+
+  def __init__(self):
+    self.calls = 0
+
+  def start(self, sequences):
+    self.sequences = sequences
+
+  def propose(self, sequences, live):
+    self.calls += 1
+    assert sequences == self.sequences   # the loop keeps the host copy in sync
+    return np.zeros((len(sequences), 4), np.int32), np.zeros((len(sequences),), np.int32)
+
+  def finish(self, sequences):
+    pass
+
+
+def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
+  graphdef, params = tiny_split
+  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
+  ar = SpeculativeEngine(graphdef)
+  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
+                                                                lens, max_new_tokens=60)))
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
+  fallback = engine.with_drafter(TruncatedDrafter(engine.drafter, 0))
+  host = _SilentHostDrafter()
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
+  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
+                             patience=2, chunk=4)
+  assert generated_ids(state) == expected
+  assert host.calls < 12, f'{host.calls} host round trips for 59 tokens'
