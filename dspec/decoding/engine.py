@@ -33,7 +33,7 @@ from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.state import (DecodeState, DecodeStats, DecodeTrace, DraftContext,
                                   Proposal)
-from dspec.decoding.verification import greedy_verify, rejection_verify
+from dspec.decoding.verification import greedy_verify, rejection_verify_logits
 
 NO_STEP_LIMIT = 2**31 - 1
 
@@ -138,10 +138,9 @@ class SpeculativeEngine:
     if self.sampling.greedy:
       n_B, emitted_BG1 = greedy_verify(proposal.tokens_BG, num_proposed_B, out.logits_BTV)
     else:
-      p_BG1V = processed_probs(out.logits_BTV, self.sampling,
-                               state.temperature, state.top_p)
-      n_B, emitted_BG1 = rejection_verify(key_verify, proposal.tokens_BG, num_proposed_B,
-                                          proposal.q_BGV, p_BG1V)
+      n_B, emitted_BG1 = rejection_verify_logits(
+          key_verify, proposal.tokens_BG, num_proposed_B, proposal.q_BGV, out.logits_BTV,
+          lambda x: processed_probs(x, self.sampling, state.temperature, state.top_p))
 
     # Commit: cut at the first stop token and at the budget; done rows write nothing.
     live_B = ~state.done_B
