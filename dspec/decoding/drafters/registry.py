@@ -19,11 +19,14 @@ _BUILDERS = {
     'self': 'self_draft',
     'mtp': 'mtp',
     'dflash': 'dflash',
+    'dspark': 'dspark',
+    'eagle3': 'eagle3',
 }
 
 # Config defaults of every drafter (`cfg.drafters.<name>`). `num_draft` is each one's
 # draft length γ; for learned drafters 0 means what the checkpoint was trained for (MTP:
-# every depth; DFlash: the trained block - 1).
+# every depth; DFlash: the trained block - 1; DSpark: the trained block; EAGLE-3: its
+# ttt_steps).
 DEFAULTS = {
     'ngram': {'num_draft': 8, 'min_n': 1, 'max_n': 4},
     'suffix': {'num_draft': 16, 'max_depth': 32, 'min_token_prob': 0.1,
@@ -32,6 +35,9 @@ DEFAULTS = {
     'self': {'num_draft': 4},
     'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False},
     'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'attention_impl': 'xla'},
+    'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
+               'attention_impl': 'xla'},
+    'eagle3': {'path': '', 'num_draft': 0, 'sample_proposals': True},
 }
 
 # Draft-length names before `num_draft` became the one knob: config path -> the new field.

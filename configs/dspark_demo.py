@@ -1,0 +1,76 @@
+"""DSpark drafter for the demo target: the DFlash backbone, anchor-first blocks, a Markov
+head and a confidence head (training.task = dspark, `dspec/models/dspark.py`).
+
+Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+  python scripts/train.py --config=configs/dspark_demo.py:layers=1,steps=2000 \
+      --config.training.batch_size=16 --workdir=runs/dspark_demo
+  python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
+Arguments: layers=N (draft layers, default 2), block=B (drafts per block, default 7; 3 with tiny),
+head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 256; 0 = none),
+steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default
+runs/distill_demo8k), tiny (random tiny target, tiny drafter: for tests).
+Training knobs (--config.dspark.<key>): ce_weight / tv_weight / confidence_weight (0.1 /
+0.9 / 1.0), loss_gamma (0: 4 for B=7), enable_confidence_head, confidence_head_with_markov,
+calibrate (fit the confidence temperatures on held-out data at export).
+Decode knobs (--config.drafters.dspark.<key>): num_draft (<= the trained block; 0 =
+trained), verify_cost (λ of the per-row verify-length cost model 1 + λ·n; 0 verifies every
+draft), verify_budget (most drafts verified per step over the batch; 0 = no budget).
+Expected: training logs loss, ce, tv, bce, acc1, tau_est (greedy τ estimate), accept_len
+(expected τ under sampling), alpha, conf_mae and, at evaluation, ece_raw / ece (the
+confidence's prefix-survival calibration error before / after temperature scaling), and
+exports <workdir>/final with the fitted temperatures.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, tiny=False, layers=2, block=0, head='vanilla', rank=256,
+                          steps=3000, minutes=0.0, data='runs/distill_demo8k')
+  block = args.block or (3 if args.tiny else 7)
+  cfg = common.decode_config('demo')
+  cfg.model.source = 'checkpoint'
+  cfg.model.path = 'demo/target'
+  cfg.drafter = 'dspark'
+  cfg.max_new_tokens = 128
+  cfg.drafters.dspark.path = 'runs/dspark_demo/final'
+  cfg.drafters.dspark.num_draft = block
+
+  cfg.dspark = ml_collections.ConfigDict({
+      'num_layers': args.layers,
+      'block_size': block,
+      'target_layer_ids': (),      # () -> round(1 + i(L-4)/(n-1))
+      'mask_token_id': -1,         # -1 -> the tokenizer's <|mask|>
+      'sliding_window': 0,         # 0 = full context
+      'attention_impl': 'xla',     # xla | pallas
+      'num_anchors': 16,           # blocks per sequence
+      'anchor_supervised': False,  # False: the last prompt token is an anchor too
+      'loss_gamma': 0.0,           # 0 -> the DFlash value of block B + 1 (4 for B = 7)
+      'markov_rank': args.rank,
+      'markov_head_type': args.head,
+      'enable_confidence_head': True,
+      'confidence_head_with_markov': True,
+      'ce_weight': 0.1,
+      'tv_weight': 0.9,
+      'confidence_weight': 1.0,
+      'calibrate': True,
+  })
+  t = common.drafter_training(cfg, 'dspark', args.data, args.steps, args.minutes)
+  t.batch_size = 8
+  t.seq_len = 320                  # distill_demo: <= 192 prompt + 128 written tokens
+  t.learning_rate = 6e-4
+  t.warmup_ratio = 0.04
+  t.weight_decay = 0.0
+  t.eval_every = 250
+  t.eval_windows = 64
+
+  if args.tiny:
+    cfg.model = common.model_config('tiny')
+    cfg.max_new_tokens = 16
+    cfg.timing_repeats = 1
+    cfg.dspark.update(num_layers=1, num_anchors=4, markov_rank=8)
+    t.update(num_steps=4, batch_size=2, seq_len=32, log_every=2, eval_every=2,
+             ckpt_every=4, eval_windows=4, learning_rate=3e-3)
+  return cfg

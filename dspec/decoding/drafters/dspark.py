@@ -1,0 +1,142 @@
+"""DSpark drafting (`reference/dflash.md` §7, `dspec/models/dspark.py`): DFlash's one-pass
+block, anchor-first, with the Markov head walked slot by slot, and a confidence-scheduled
+verify length per row.
+
+State and `init` / `update` are DFlash's (`drafters/dflash.py`): the context K/V of every
+committed position before the anchor.
+
+propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = num_draft; slot k
+         drafts the token at anchor+k+1). Near the end of the budget only the first
+         `remaining` block keys exist (the shrinking block). The Markov walk picks each
+         slot's token from its biased logits (argmax at T = 0; at T > 0 a sample, with
+         q = the processed biased distribution for rejection sampling) and the confidence
+         head scores it; the row then verifies only its first n_r drafts.
+
+Verify length (`verify_lengths`). With the calibrated prefix survival S_k (the probability
+that drafts 1..k are all accepted), verifying n drafts commits E(n) = 1 + Σ_{k≤n} S_k
+tokens in expectation. Cost model: a step costs c0 · (1 + λ·n) — c0 the fixed cost (draft
+pass, the anchor's verify row, engine overhead), λ = `verify_cost` the marginal cost of one
+more verified token relative to c0 (≈ 0 when verification is memory-bound, batch 1 on an
+accelerator; → 1 when it is compute-bound, large batches or CPU). Each row takes the n
+maximising E(n) / (1 + λ·n). With `verify_budget` > 0 a batch-level token budget then
+admits the globally best (row, slot) pairs by S (a prefix of every row, as S falls along
+the block), at most `verify_budget` drafts per step. The verify shape stays static (rows
+verify a prefix of it), and under `verify_length=auto` the controller's tiers cap n_r.
+Without a confidence head every row verifies its whole block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
+from dspec.decoding.drafters.dflash import DFlashDrafter
+from dspec.decoding.state import Proposal
+from dspec.models import dspark as dspark_model
+
+
+def verify_lengths(survival_BG, limit_B, verify_cost: float, verify_budget: int = 0):
+  """Per-row verify length n_r [B]: argmax_n (1 + Σ_{k≤n} S_k) / (1 + λ·n) over
+  n ≤ limit_r, then at most `verify_budget` (row, slot) pairs in all (0: no budget), the
+  largest S first."""
+  b, g = survival_BG.shape
+  s = survival_BG.astype(jnp.float32)
+  n_G1 = jnp.arange(g + 1, dtype=jnp.int32)
+  expected_BG1 = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(s, axis=1)], axis=1)
+  rate_BG1 = expected_BG1 / (1.0 + verify_cost * n_G1.astype(jnp.float32))
+  rate_BG1 = jnp.where(n_G1[None] <= limit_B[:, None], rate_BG1, -jnp.inf)
+  n_B = jnp.argmax(rate_BG1, axis=1).astype(jnp.int32)
+  if verify_budget and verify_budget < b * g:
+    score = jnp.where(n_G1[None, :g] < n_B[:, None], s, -1.0).reshape(-1)
+    top, idx = jax.lax.top_k(score, verify_budget)   # ties: lower slot first (a prefix)
+    admitted = jnp.zeros((b * g,), bool).at[idx].set(top >= 0).reshape(b, g)
+    n_B = jnp.sum(admitted, axis=1).astype(jnp.int32)
+  return n_B
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter(DFlashDrafter):
+  """Engine drafter around a `DSparkModel`; params are `nnx.split(model)[1]`. It drafts
+  `num_draft` tokens per step with a block of num_draft slots (at most the trained B)."""
+
+  verify_cost: float = 0.1
+  verify_budget: int = 0
+
+  def __post_init__(self):
+    check_num_draft('dspark', self.num_draft, 1, self.config.block_size)
+    if self.verify_cost < 0:
+      raise ValueError(f'drafters.dspark.verify_cost must be >= 0, got {self.verify_cost}')
+    if self.verify_budget < 0:
+      raise ValueError(f'drafters.dspark.verify_budget must be >= 0 (0: no budget), got '
+                       f'{self.verify_budget}')
+
+  @property
+  def is_dflash2(self) -> bool:
+    return False
+
+  @property
+  def samples_proposals(self) -> bool:
+    return True
+
+  @classmethod
+  def create(cls, model: dspark_model.DSparkModel, num_draft: int = 0,
+             verify_cost: float = 0.1, verify_budget: int = 0) -> Tuple["DSparkDrafter", Any]:
+    """(drafter, params); num_draft 0 means the trained block size."""
+    graphdef, params = nnx.split(model)
+    return cls(graphdef, model.cfg, model.target_cfg, num_draft or model.cfg.block_size,
+               verify_cost=verify_cost, verify_budget=verify_budget), params
+
+  @property
+  def block_size(self) -> int:
+    return self.num_draft
+
+  def check_target(self, target_cfg) -> None:
+    mine = self.target_cfg
+    check_width_and_vocab('dspark', mine, target_cfg)
+    if target_cfg.num_layers != mine.num_layers:
+      raise ValueError(f'dspark drafter taps layers {list(self.taps)} of a '
+                       f'{mine.num_layers}-layer target, but the target has '
+                       f'{target_cfg.num_layers} layers')
+
+  def propose(self, params, cache, target, ctx, key):
+    model = nnx.merge(self.graphdef, params)
+    walk, block_len_B = self.draft(model, cache, target, ctx, key)
+    n_B = block_len_B
+    if walk.conf_logits_BG is not None:
+      n_B = verify_lengths(model.survival(walk.conf_logits_BG), block_len_B,
+                           self.verify_cost, self.verify_budget)
+    return Proposal(walk.tokens_BG, n_B, walk.q_BGV)
+
+  def draft(self, model: dspark_model.DSparkModel, cache, target, ctx, key):
+    """(the Markov walk over the block, block length [B]): only the first
+    min(b, remaining) block keys exist."""
+    b = self.block_size
+    anchor_B = self._anchor(ctx)
+    anchor_pos_B = ctx.num_tokens_B - 1
+    block_BT = jnp.full((anchor_B.shape[0], b), self.config.mask_token_id, jnp.int32)
+    block_BT = block_BT.at[:, 0].set(anchor_B)
+    positions_BT = anchor_pos_B[:, None] + jnp.arange(b, dtype=jnp.int32)
+    block_len_B = jnp.clip(ctx.remaining_B, 1, b).astype(jnp.int32)
+    offsets_B2 = jnp.stack([cache.lengths_B, block_len_B], axis=-1)
+    hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
+                       model.cfg.draft_masks(b), offsets_B2)
+    walk = model.walk(target, hidden_BTD, anchor_B, sampling=ctx.sampling,
+                      temperature=ctx.temperature, top_p=ctx.top_p, key=key)
+    return walk, block_len_B
+
+
+def build(cfg, target) -> Tuple[DSparkDrafter, Any]:
+  """(drafter, params) from `cfg.drafters.dspark` (path, num_draft, verify_cost, ...)."""
+  c = cfg.drafters.dspark
+  if not c.path:
+    raise ValueError('drafter dspark needs a trained checkpoint: set '
+                     '--config.drafters.dspark.path=<dir> (e.g. runs/dspark_demo/final)')
+  model = dspark_model.load_drafter(c.path, attention_impl=c.attention_impl,
+                                    num_target_layers=target.cfg.num_layers)
+  return DSparkDrafter.create(model, num_draft=c.num_draft, verify_cost=c.verify_cost,
+                              verify_budget=c.verify_budget)
