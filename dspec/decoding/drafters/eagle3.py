@@ -1,0 +1,201 @@
+"""The EAGLE-3 drafter: catch-up over committed positions, then a chain of γ draft steps.
+
+With n committed tokens t_0..t_{n-1} the target's taps are known at p <= n-2, and draft
+entry p reads (fused taps at p, t_{p+1}), so the committed entries are p = 0..n-2. The
+draft cache (one `KVCache` layer per draft layer, aligned 1:1 with target positions) holds
+exactly those, and `carry` keeps the raw output x of entry n-2.
+
+  init     the prompt's taps at 0..P-1 with tokens t_1..t_P: entries 0..n-2 (P = n-1).
+  update   after a verify at start..start+γ that committed m tokens, entries
+           p = start+j (j = 0..γ) read the verify taps at j and t_{start+1+j}; slots j < m
+           are written (the rest run but are dropped), carry = x at slot m-1.
+  propose  d_1 = head(carry). Entry n-3+k (k >= 2) reads next_hidden(previous entry's x)
+           and d_{k-1}, attends to the committed cache plus the chain so far (scratch K/V,
+           never written), and gives d_k.
+
+So every draft equals the training-time-test step over the committed tokens followed by
+the earlier drafts (`Eagle3Model.ttt_logits`). At T > 0 with `sample_proposals`, each draft
+is sampled from the processed draft-vocabulary distribution and its q (placed into the
+target vocabulary) goes to rejection sampling, which keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
+from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.decoding.state import Proposal
+from dspec.models.config import TransformerConfig
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model, load_eagle3
+from dspec.models.kv_cache import KVCache
+
+
+@struct.dataclass
+class Eagle3State:
+  """cache: committed entries 0..n-2 (lengths_B = n - 1); carry_BD: raw x of entry n-2."""
+
+  cache: KVCache
+  carry_BD: jnp.ndarray
+
+  LOGICAL_AXES: ClassVar[dict] = {'carry_BD': ('batch', None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(DrafterBase):
+  """EAGLE-3 chain drafting of `num_draft` tokens (any length: the chain recurses)."""
+
+  graphdef: Any
+  config: Eagle3Config
+  target_cfg: TransformerConfig
+  num_draft: int
+  sample_proposals: bool = True
+
+  def __post_init__(self):
+    check_num_draft('eagle3', self.num_draft)
+
+  @property
+  def samples_proposals(self) -> bool:
+    return self.sample_proposals
+
+  @classmethod
+  def create(cls, model: Eagle3Model, num_draft: int = 0,
+             sample_proposals: bool = True) -> Tuple['Eagle3Drafter', Any]:
+    """(drafter, params); num_draft 0 drafts the trained ttt_steps."""
+    graphdef, params = nnx.split(model)
+    return cls(graphdef, model.cfg, model.target_cfg, num_draft or model.cfg.ttt_steps,
+               sample_proposals), params
+
+  @property
+  def taps(self) -> Tuple[int, ...]:
+    return self.config.target_layer_ids
+
+  def check_target(self, target_cfg) -> None:
+    mine = self.target_cfg
+    check_width_and_vocab('eagle3', mine, target_cfg)
+    if target_cfg.num_layers != mine.num_layers:
+      raise ValueError(f'eagle3 drafter taps layers {list(self.taps)} of a '
+                       f'{mine.num_layers}-layer target, but the target has '
+                       f'{target_cfg.num_layers} layers')
+
+  # ------------------------------------------------------------------ internals
+
+  def _cached_pass(self, model, target, cache, g_BWD, tokens_BW, positions_BW, valid_BW):
+    """Entries over a window: valid slots are written, every slot attends to the cache
+    at positions <= its own."""
+    write_BW = jnp.where(valid_BW, positions_BW, cache.max_len)
+    mask_BWS = jnp.arange(cache.max_len)[None, None, :] <= positions_BW[:, :, None]
+
+    def kv_fn_of(i):
+      def kv_fn(k_new, v_new):
+        nonlocal cache
+        cache = cache.write(i, k_new, v_new, write_BW)
+        return cache.k_LBSKD[i], cache.v_LBSKD[i], mask_BWS
+      return kv_fn
+
+    x = model.block(target, g_BWD, tokens_BW, positions_BW, kv_fn_of)
+    return x, cache
+
+  def _catch_up(self, model, target, state, taps_BWND, tokens_BW, start_B, num_valid_B):
+    b, w = tokens_BW.shape
+    positions_BW = start_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
+    valid_BW = jnp.arange(w)[None] < num_valid_B[:, None]
+    x, cache = self._cached_pass(model, target, state.cache, model.fuse(taps_BWND, target),
+                                 tokens_BW, positions_BW, valid_BW)
+    last_B = jnp.maximum(num_valid_B - 1, 0)
+    x_last = x[jnp.arange(b), last_B]
+    carry = jnp.where((num_valid_B > 0)[:, None], x_last, state.carry_BD.astype(x.dtype))
+    return Eagle3State(cache.with_lengths(start_B + num_valid_B), carry)
+
+  def _pick(self, model, logits_BV, ctx, key):
+    """(target token id, q over the target vocabulary or None) of one draft."""
+    if ctx.sampling.greedy or not self.sample_proposals:
+      return model.token_ids(jnp.argmax(logits_BV, axis=-1)), None
+    q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
+    token_B = model.token_ids(sample_from_probs(key, q_BV))
+    if self.config.draft_vocab:
+      full = jnp.zeros((q_BV.shape[0], self.target_cfg.vocab_size), q_BV.dtype)
+      q_BV = full.at[:, jnp.asarray(self.config.draft_vocab)].set(q_BV)
+    return token_B, q_BV
+
+  # ------------------------------------------------------------------ protocol
+
+  def init(self, params, target, ctx, prefill_out):
+    model = nnx.merge(self.graphdef, params)
+    b, length = ctx.tokens_BL.shape
+    cache = KVCache.for_model(model.layer_cfg, self.config.num_layers, b, length)
+    taps = prefill_out.taps_BTND
+    state = Eagle3State(cache, jnp.zeros((b, self.target_cfg.embed_dim), taps.dtype))
+    w = taps.shape[1]
+    return self._catch_up(model, target, state, taps, ctx.tokens_BL[:, 1:w + 1],
+                          jnp.zeros((b,), jnp.int32), jnp.maximum(ctx.num_tokens_B - 1, 0))
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    """The committed count comes from ctx (num_accepted_B + 1 for live rows, less when a
+    stop token or the budget cut it)."""
+    del num_accepted_B
+    model = nnx.merge(self.graphdef, params)
+    taps = verify_out.taps_BTND
+    b, g1 = taps.shape[:2]
+    length = ctx.tokens_BL.shape[1]
+    j = jnp.arange(g1, dtype=jnp.int32)[None, :]
+    committed_B = jnp.clip(ctx.num_tokens_B - 1 - start_B, 0, g1)
+    tokens_BG = ctx.tokens_BL[jnp.arange(b)[:, None],
+                              jnp.minimum(start_B[:, None] + 1 + j, length - 1)]
+    return self._catch_up(model, target, state, taps, tokens_BG, start_B, committed_B)
+
+  def draft(self, params, state, target, ctx, key):
+    """(draft tokens [B, G], draft-vocabulary logits [B, G, V'], q [B, G, V] or None)."""
+    model = nnx.merge(self.graphdef, params)
+    cache = state.cache
+    n_B = ctx.num_tokens_B
+    b = n_B.shape[0]
+    committed_BS = (jnp.arange(cache.max_len)[None, :] < (n_B - 1)[:, None])[:, None, :]
+    chain = [[] for _ in range(self.config.num_layers)]
+    x_BD = state.carry_BD
+    tokens, logits, qs = [], [], []
+    for k in range(1, self.num_draft + 1):
+      if k > 1:
+        mask_B1S = jnp.concatenate([committed_BS, jnp.ones((b, 1, k - 1), bool)], axis=-1)
+
+        def kv_fn_of(i, mask_B1S=mask_B1S):
+          def kv_fn(k_new, v_new):
+            chain[i].append((k_new, v_new))
+            dt = cache.k_LBSKD.dtype
+            return (jnp.concatenate([cache.k_LBSKD[i]] + [c.astype(dt) for c, _ in chain[i]],
+                                    axis=1),
+                    jnp.concatenate([cache.v_LBSKD[i]] + [c.astype(dt) for _, c in chain[i]],
+                                    axis=1), mask_B1S)
+          return kv_fn
+
+        positions_B1 = (n_B + k - 3)[:, None]
+        x_BD = model.block(target, model.next_hidden(x_BD)[:, None], tokens[-1][:, None],
+                           positions_B1, kv_fn_of)[:, 0]
+      logits_BV = model.logits(x_BD[:, None])[:, 0]
+      token_B, q_BV = self._pick(model, logits_BV, ctx, jax.random.fold_in(key, k))
+      tokens.append(token_B)
+      logits.append(logits_BV)
+      qs.append(q_BV)
+    q_BGV = None if qs[0] is None else jnp.stack(qs, axis=1)
+    return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), q_BGV
+
+  def propose(self, params, state, target, ctx, key) -> Proposal:
+    tokens_BG, _, q_BGV = self.draft(params, state, target, ctx, key)
+    num_B = jnp.full((ctx.num_tokens_B.shape[0],), self.num_draft, jnp.int32)
+    return Proposal(tokens_BG, num_B, q_BGV)
+
+
+def build(cfg, target):
+  """(Eagle3Drafter, params) from `cfg.drafters.eagle3` (a dspec, speculators or legacy
+  SafeAILab / SpecForge directory)."""
+  c = cfg.drafters.eagle3
+  if not c.path:
+    raise ValueError('drafter eagle3 needs --config.drafters.eagle3.path=<checkpoint dir> '
+                     '(train one: scripts/train.py --config=configs/eagle3_demo.py)')
+  model = load_eagle3(c.path, target_cfg=target.cfg)
+  return Eagle3Drafter.create(model, c.num_draft, c.sample_proposals)

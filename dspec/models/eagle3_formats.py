@@ -1,0 +1,275 @@
+"""Published EAGLE-3 drafter formats: vLLM `speculators` and legacy SafeAILab / SpecForge.
+
+speculators form (`speculators_model_type: "eagle3"`, as speculators 0.9.0 saves it):
+config.json with the draft layers in `transformer_layer_config` (llama | qwen3, the
+latter with q/k norms), `draft_vocab_size`, the norm options, and the taps as HF
+hidden-state indices `eagle_aux_hidden_state_layer_ids` (index i = the output of layer
+i-1; index L is the post-final-norm hidden; null = [2, L//2, L-3]); model.safetensors with
+`fc`, `layers.{i}.*` (layer 0 with `hidden_norm` and 2H-wide q/k/v), `norm`, `lm_head`
+[V', H] and the vocabulary maps `t2d` [V] bool / `d2t` [V'] (target id = index + d2t).
+`embed_tokens.weight` (the verifier's) is not read.
+
+Legacy form (SafeAILab EAGLE-3, SpecForge): a Llama config.json (`hidden_size`,
+`vocab_size` = the target's, `draft_vocab_size`, ...) and tensors named `midlayer.*` for
+layer 0; the taps are EAGLE-3's defaults for the target's depth (or given), a tap of the
+last layer read after the final norm as HF's hidden_states[L].
+
+Every format error is one line naming the key or tensor and the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from dspec.checkpoint import leaf_paths
+from dspec.files import write_atomic, write_json_atomic
+from dspec.hf_import import _open_safetensors, _rope_theta, _tensor_files
+from dspec.models.config import TransformerConfig
+from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
+                                          _verifier_depth)
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model, load_dspec_eagle3
+
+_IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight', 'verifier_norm.weight',
+            't2d', 'd2t')
+_NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')
+
+
+def detect(path) -> str:
+  """'dspec', 'speculators' or 'legacy' for an EAGLE-3 directory."""
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'{path}: no such drafter directory')
+  config_path = os.path.join(path, 'config.json')
+  if not os.path.exists(config_path):
+    return 'dspec'
+  return 'speculators' if 'speculators_model_type' in _read_json(config_path) else 'legacy'
+
+
+def load(path, *, target_cfg: Optional[TransformerConfig] = None,
+         taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
+  """An EAGLE-3 drafter from any supported directory (see `detect`).
+
+  target_cfg: the target's config (its depth resolves the taps of an import; its width is
+  checked against the checkpoint's); a speculators config can name the depth through a
+  readable verifier directory instead. taps: 0-based tap layers of a legacy checkpoint
+  (default EAGLE-3's). `dtype`: parameter and compute dtype of imports.
+  """
+  path = os.fspath(path)
+  kind = detect(path)
+  if kind == 'dspec':
+    return load_dspec_eagle3(path)
+  file = os.path.join(path, 'config.json')
+  keys = _Keys(_read_json(file), file)
+  if kind == 'speculators':
+    return _read_speculators(path, keys, target_cfg, dtype)
+  return _read_legacy(path, keys, target_cfg, taps, dtype)
+
+
+def _layer_shapes(keys: _Keys, vocab: int, depth: int, dtype: str) -> TransformerConfig:
+  model_type = keys.config.get('model_type', 'llama')
+  if model_type not in ('llama', 'qwen3'):
+    raise keys.error('model_type', f'must be "llama" or "qwen3", got {model_type!r}')
+  if keys.get('attention_bias', bool, False) or keys.get('mlp_bias', bool, False):
+    raise keys.error('attention_bias', 'is true: biased draft layers are not supported')
+  act = keys.config.get('hidden_act', 'silu')
+  if act != 'silu':
+    raise keys.error('hidden_act', f'must be "silu", got {act!r}')
+  try:
+    rope_theta = _rope_theta(keys.config)
+  except ValueError as e:
+    raise keys.error('rope_parameters', f'is not supported ({e})') from None
+  hidden = keys.get('hidden_size', int, required=True)
+  heads = keys.get('num_attention_heads', int, required=True)
+  try:
+    return TransformerConfig(
+        vocab_size=vocab, num_layers=depth, embed_dim=hidden, num_heads=heads,
+        num_kv_heads=keys.get('num_key_value_heads', int, heads),
+        head_dim=keys.get('head_dim', int, hidden // heads),
+        mlp_dim=keys.get('intermediate_size', int, required=True), rope_theta=rope_theta,
+        norm_eps=keys.get('rms_norm_eps', float, 1e-6), qk_norm=model_type == 'qwen3',
+        dtype=dtype, param_dtype=dtype)
+  except ValueError as e:
+    raise FormatError(f'{keys.file}: bad draft layer shapes ({e})') from None
+
+
+def _check_width(file: str, hidden: int, target_cfg: Optional[TransformerConfig]) -> None:
+  if target_cfg is not None and hidden != target_cfg.embed_dim:
+    raise FormatError(f'{file}: eagle3 checkpoint hidden size {hidden} does not match the '
+                      f'target width {target_cfg.embed_dim}')
+
+
+def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict,
+           rename=lambda name: name) -> Eagle3Model:
+  """The model with every param read from `tensors` {stored name: file}; `rename` maps a
+  stored name to speculators' name."""
+  file = os.path.join(path, 'config.json')
+  by_name = {rename(name): (f, name) for name, f in tensors.items() if name not in _IGNORED}
+  fc = by_name.get('fc.weight')
+  n_taps = len(cfg_fields['target_layer_ids'])
+  if fc is not None:
+    with _open_safetensors(fc[0]) as f:
+      width = f.get_slice(fc[1]).get_shape()[-1]
+    if width != n_taps * shapes.embed_dim:
+      raise FormatError(f'{fc[0]}: tensor fc.weight fuses {width // shapes.embed_dim} taps '
+                        f'(input width {width}) but the config names {n_taps} tap layers')
+  try:
+    cfg = Eagle3Config(**cfg_fields)
+    model = nnx.eval_shape(lambda: Eagle3Model(cfg, shapes, rngs=nnx.Rngs(0)))
+  except (TypeError, ValueError) as e:
+    raise FormatError(f'{file}: {e}') from None
+  state = nnx.state(model, nnx.Param)
+  abstract = nnx.to_pure_dict(state)
+  used = set()
+  with contextlib.ExitStack() as stack:
+    handles = {}
+
+    def read(dspec_name, leaf):
+      transpose = dspec_name.endswith('.kernel')
+      name = dspec_name[:-len('kernel')] + 'weight' if transpose else dspec_name
+      if name not in by_name:
+        raise FormatError(f'{path}: tensor {name!r} is missing')
+      used.add(name)
+      f, stored = by_name[name]
+      if f not in handles:
+        handles[f] = stack.enter_context(_open_safetensors(f))
+      tensor = handles[f].get_tensor(stored)
+      expected = leaf.shape[::-1] if transpose else leaf.shape
+      if tuple(tensor.shape) != tuple(expected):
+        raise FormatError(f'{f}: tensor {stored!r} has shape {tuple(tensor.shape)}, '
+                          f'expected {tuple(expected)}')
+      return jnp.asarray(tensor.T if transpose else tensor, dtype=leaf.dtype)
+
+    params = jax.tree.unflatten(jax.tree.structure(abstract),
+                                [read(n, leaf) for n, leaf in leaf_paths(abstract).items()])
+  extra = sorted(set(by_name) - used)
+  if extra:
+    raise FormatError(f'{by_name[extra[0]][0]}: unexpected tensor {by_name[extra[0]][1]!r} '
+                      f'({len(extra)} the config does not use)')
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return model
+
+
+def _vocab(path, keys: _Keys, tensors: dict, vocab: int) -> tuple:
+  size = keys.get('draft_vocab_size', int, vocab)
+  return _draft_vocab(path, tensors, vocab, size) if size != vocab else ()
+
+
+def _read_speculators(path, spec: _Keys, target_cfg, dtype) -> Eagle3Model:
+  kind = spec.config.get('speculators_model_type')
+  if kind != 'eagle3':
+    raise spec.error('speculators_model_type', f'must be "eagle3", got {kind!r}')
+  layer = _Keys(spec.get('transformer_layer_config', dict, required=True), spec.file,
+                'transformer_layer_config.')
+  depth = target_cfg.num_layers if target_cfg is not None else _verifier_depth(spec)
+  if depth is None:
+    raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
+                     'directory: pass the target config (its depth resolves the taps)')
+  vocab = layer.get('vocab_size', int, required=True)
+  shapes = _layer_shapes(layer, vocab, depth, dtype)
+  _check_width(spec.file, shapes.embed_dim, target_cfg)
+  target_hidden = spec.get('target_hidden_size', int)
+  if target_hidden not in (None, shapes.embed_dim):
+    raise spec.error('target_hidden_size', f'{target_hidden} differs from the draft width '
+                     f'{shapes.embed_dim}')
+  aux = spec.int_list('eagle_aux_hidden_state_layer_ids') or [2, depth // 2, depth - 3]
+  if min(aux) < 1 or max(aux) > depth:
+    raise spec.error('eagle_aux_hidden_state_layer_ids', f'{aux} are not hidden-state '
+                     f'indices in [1, {depth}] of the {depth}-layer target')
+  steps = [m.get('speculative_tokens') for m in (spec.config.get('speculators_config') or {})
+           .get('proposal_methods') or [] if isinstance(m, dict)]
+  tensors = _tensor_files(path)
+  fields = dict(target_layer_ids=tuple(a - 1 for a in aux),
+                num_layers=layer.get('num_hidden_layers', int, 1),
+                draft_vocab=_vocab(path, spec, tensors, vocab),
+                final_tap_normed=depth in aux,
+                ttt_steps=steps[0] if steps and isinstance(steps[0], int) else 3,
+                **{k: spec.get(k, bool, False) for k in _NORM_FLAGS})
+  return _build(path, fields, shapes, tensors)
+
+
+def _read_legacy(path, keys: _Keys, target_cfg, taps, dtype) -> Eagle3Model:
+  tensors = _tensor_files(path)
+  if not any(name.startswith('midlayer.') for name in tensors):
+    raise FormatError(f'{path}: neither a speculators config (speculators_model_type) nor '
+                      'legacy EAGLE-3 tensors (midlayer.*)')
+  if target_cfg is None:
+    raise FormatError(f'{path}: a legacy EAGLE-3 checkpoint needs the target config (its '
+                      'depth gives the taps)')
+  vocab = keys.get('vocab_size', int, required=True)
+  shapes = _layer_shapes(keys, vocab, target_cfg.num_layers, dtype)
+  _check_width(keys.file, shapes.embed_dim, target_cfg)
+  depth = target_cfg.num_layers
+  taps = tuple(taps) if taps else (1, depth // 2 - 1, depth - 4)
+  fields = dict(target_layer_ids=taps, final_tap_normed=depth - 1 in taps,
+                num_layers=keys.get('num_hidden_layers', int, 1),
+                draft_vocab=_vocab(path, keys, tensors, vocab),
+                **{k: keys.get(k, bool, False) for k in _NORM_FLAGS})
+  return _build(path, fields, shapes, tensors,
+                rename=lambda n: 'layers.0.' + n[len('midlayer.'):]
+                if n.startswith('midlayer.') else n)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def speculators_config(model: Eagle3Model) -> dict:
+  """The speculators config.json of a drafter (as speculators 0.9.0 writes it)."""
+  cfg, shapes = model.cfg, model.layer_cfg
+  depth = model.target_cfg.num_layers
+  aux = [i + 1 for i in cfg.target_layer_ids]
+  if depth - 1 in cfg.target_layer_ids and not cfg.final_tap_normed:
+    raise ValueError(f'the drafter taps the last target layer ({depth - 1}) before the '
+                     'final norm; speculators reads it after')
+  layer = dict(
+      model_type='qwen3' if shapes.qk_norm else 'llama', hidden_size=shapes.embed_dim,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=shapes.num_heads,
+      num_key_value_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
+      intermediate_size=shapes.mlp_dim, hidden_act='silu', rms_norm_eps=shapes.norm_eps,
+      vocab_size=shapes.vocab_size, attention_bias=False, tie_word_embeddings=False,
+      rope_parameters={'rope_theta': shapes.rope_theta, 'rope_type': 'default'},
+      layer_types=['full_attention'] * cfg.num_layers)
+  return dict(
+      architectures=['Eagle3DraftModel'], speculators_model_type='eagle3',
+      speculators_version='0.9.0', draft_vocab_size=model.draft_vocab_size,
+      eagle_aux_hidden_state_layer_ids=aux, embed_requires_grad=False,
+      target_hidden_size=None, tie_word_embeddings=False, transformer_layer_config=layer,
+      speculators_config=dict(
+          algorithm='eagle3', default_proposal_method='greedy',
+          proposal_methods=[dict(proposal_type='greedy', speculative_tokens=cfg.ttt_steps,
+                                 accept_tolerance=0.0, verifier_accept_k=1)],
+          verifier=dict(architectures=['Qwen3ForCausalLM' if shapes.qk_norm
+                                       else 'LlamaForCausalLM'], name_or_path=None)),
+      **{k: getattr(cfg, k) for k in _NORM_FLAGS})
+
+
+def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32') -> None:
+  """Writes config.json + model.safetensors in speculators form (t2d/d2t included)."""
+  path = os.fspath(path)
+  config = speculators_config(model)
+  tensors = {}
+  for name, leaf in leaf_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
+    if name.endswith('.kernel'):
+      tensors[name[:-len('kernel')] + 'weight'] = np.asarray(jnp.asarray(leaf.T, dtype))
+    else:
+      tensors[name] = np.asarray(jnp.asarray(leaf, dtype))
+  if model.cfg.draft_vocab:
+    ids = np.asarray(model.cfg.draft_vocab, np.int64)
+    t2d = np.zeros((model.target_cfg.vocab_size,), bool)
+    t2d[ids] = True
+    tensors['t2d'] = t2d
+    tensors['d2t'] = np.asarray(ids - np.arange(len(ids)), np.int64)
+  config['dtype'] = dtype
+  os.makedirs(path, exist_ok=True)
+  write_atomic(os.path.join(path, 'model.safetensors'),
+               lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}))
+  write_json_atomic(os.path.join(path, 'config.json'), config, indent=2)
