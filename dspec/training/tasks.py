@@ -7,10 +7,10 @@ from dspec.training import trainer
 
 
 def _builders():
-  from dspec.training import dflash_task, dspark_task, mtp_task, target_lm
+  from dspec.training import dflash_task, dspark_task, eagle3_task, mtp_task, target_lm
   return {'target': target_lm.build_task, 'dflash': dflash_task.build_task,
           'dflash2': dflash_task.build_task, 'bd3lm': dflash_task.build_task,
-          'dspark': dspark_task.build_task,
+          'dspark': dspark_task.build_task, 'eagle3': eagle3_task.build_task,
           'mtp_joint': mtp_task.build_joint_task, 'mtp_posthoc': mtp_task.build_posthoc_task}
 
 

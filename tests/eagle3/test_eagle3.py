@@ -260,3 +260,37 @@ def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
     drafter.check_target(TransformerConfig(**dict(TINY.to_dict(), num_layers=3)))
   with pytest.raises(ValueError, match='drafters.eagle3.path'):
     registry.build_drafter(_with_path(''), tiny_model)
+
+
+# ------------------------------------------------------------------------- training
+
+
+def _greedy_rows(target, rows=48, prompt_len=10, new=22, seed=0):
+  """The target's greedy continuations of random prompts (self-distilled rows)."""
+  tokens = np.zeros((rows, prompt_len + new), np.int32)
+  tokens[:, :prompt_len] = np.random.default_rng(seed).integers(1, 64, (rows, prompt_len))
+  step = jax.jit(lambda t, x, p: jnp.argmax(t(x).logits_BTV[:, p - 1], axis=-1))
+  for p in range(prompt_len, prompt_len + new):
+    tokens[:, p] = np.asarray(step(target, tokens, p))
+  loss_mask = np.zeros_like(tokens, bool)
+  loss_mask[:, prompt_len:] = True
+  return tokens, loss_mask
+
+
+def test_training_lowers_loss_and_exports(tiny_model, tmp_path):
+  """TTT training (3 steps, reduced head from the written-token counts) on the tiny
+  target's own outputs lowers every step's loss; the export loads as a drafter."""
+  from configs import eagle3_demo
+  from dspec.training import eagle3_task, trainer
+  cfg = eagle3_demo.get_config('tiny,vocab=40')
+  cfg.training.update(num_steps=60, batch_size=8, eval_every=60, log_every=60,
+                      ckpt_every=1000, eval_windows=8)
+  tokens, loss_mask = _greedy_rows(tiny_model)
+  task = eagle3_task.make_task(cfg, tiny_model, tokens, loss_mask)
+  assert len(task.model.cfg.draft_vocab) == 40
+  before = task.evaluate(task.model, tiny_model)
+  after = trainer.train(task, cfg.training, str(tmp_path))['eval']
+  assert after['loss'] < before['loss'] - 0.5, (before, after)
+  assert after['acc0'] > before['acc0'] and after['tau_est'] > before['tau_est']
+  drafter, _ = Eagle3Drafter.create(load_eagle3(str(tmp_path / 'final')))
+  assert drafter.num_draft == 3 and drafter.taps == (1, 0, 1)
