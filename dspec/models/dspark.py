@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors.flax import save_file
 
-from dspec.checkpoint import leaf_paths
+from dspec.checkpoint import CheckpointError, leaf_paths
 from dspec.decoding.sampling import processed_probs, sample_from_probs
 from dspec.files import write_atomic, write_json_atomic
 from dspec.models import drafter_formats as formats
@@ -262,10 +262,20 @@ class DSparkModel(DFlashModel):
 
 # ------------------------------------------------------------------------ loading
 
+_HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
+
 
 def load_dspark(path, **overrides) -> DSparkModel:
-  """Loads a `kind='dspark'` dspec checkpoint; `overrides` replace config fields."""
-  return load_dspec_checkpoint(path, DSparkModel, DSparkConfig, **overrides)
+  """Loads a `kind='dspark'` dspec checkpoint; `overrides` replace config fields. A head
+  its config asks for but the checkpoint lacks is a FormatError (a ValueError)."""
+  try:
+    return load_dspec_checkpoint(path, DSparkModel, DSparkConfig, **overrides)
+  except CheckpointError as e:
+    for head, key in _HEAD_KEYS.items():
+      if f"leaf '{head}." in str(e):
+        raise formats.FormatError(f'{path}: the {head} weights are missing but its config '
+                                  f'{key} asks for that head') from None
+    raise
 
 
 def load_drafter(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
@@ -281,8 +291,6 @@ def load_drafter(path, *, num_target_layers: Optional[int] = None, dtype: str = 
   return read_speculators(path, num_target_layers=num_target_layers, dtype=dtype,
                           **overrides)
 
-
-_HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
 
 
 def read_speculators(path, *, num_target_layers: Optional[int] = None,
