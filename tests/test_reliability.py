@@ -2,7 +2,7 @@
 bad input gets one `error:` line, and NaN never passes silently.
 
 Sections follow the issue: data loss, silently wrong, tracebacks. The full red-team sweep
-(~170 CLI and API cases, minutes) is `python scripts/redteam.py`, not a test.
+(~240 CLI and API cases, ~25 min) is `python scripts/redteam.py`, not a test.
 """
 
 import glob
