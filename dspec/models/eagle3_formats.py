@@ -20,7 +20,6 @@ Every format error is one line naming the key or tensor and the file.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Optional, Sequence
 
@@ -36,7 +35,8 @@ from dspec.hf_import import _open_safetensors, _rope_theta, _tensor_files
 from dspec.models.config import TransformerConfig
 from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
                                           _verifier_depth)
-from dspec.models.eagle3 import Eagle3Config, Eagle3Model, load_dspec_eagle3
+from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
+                                 load_dspec_eagle3)
 
 _IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight', 'verifier_norm.weight',
             't2d', 'd2t')
@@ -209,7 +209,7 @@ def _read_legacy(path, keys: _Keys, target_cfg, taps, dtype) -> Eagle3Model:
   shapes = _layer_shapes(keys, vocab, target_cfg.num_layers, dtype)
   _check_width(keys.file, shapes.embed_dim, target_cfg)
   depth = target_cfg.num_layers
-  taps = tuple(taps) if taps else (1, depth // 2 - 1, depth - 4)
+  taps = tuple(taps) if taps else default_target_layer_ids(depth)
   fields = dict(target_layer_ids=taps, final_tap_normed=depth - 1 in taps,
                 num_layers=keys.get('num_hidden_layers', int, 1),
                 draft_vocab=_vocab(path, keys, tensors, vocab),

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import REPO_ROOT, TINY, generate
+from conftest import TINY, generate
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.engine import SpeculativeEngine
