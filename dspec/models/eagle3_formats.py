@@ -87,6 +87,9 @@ def _layer_shapes(keys: _Keys, vocab: int, depth: int, dtype: str) -> Transforme
     rope_theta = _rope_theta(keys.config)
   except ValueError as e:
     raise keys.error('rope_parameters', f'is not supported ({e})') from None
+  layer_types = keys.get('layer_types', list) or []
+  if any(t != 'full_attention' for t in layer_types):
+    raise keys.error('layer_types', f'must all be "full_attention", got {layer_types!r}')
   hidden = keys.get('hidden_size', int, required=True)
   heads = keys.get('num_attention_heads', int, required=True)
   try:
