@@ -19,10 +19,9 @@ from conftest import TINY, generate
 from configs import dspark_demo
 from dspec import checkpoint
 from dspec.decoding.drafters import registry
-from dspec.decoding.drafters.dspark import DSparkDrafter, verify_lengths
+from dspec.decoding.drafters.dspark import verify_lengths
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.models import dspark
 from dspec.models.transformer import Transformer
 from dspec.training import dspark_task, tasks
 
