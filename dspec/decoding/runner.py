@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspec import datasets, loading, sharding
+from dspec import config_checks, datasets, loading, sharding
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
@@ -271,9 +271,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
   programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
   """
+  config_checks.check_decode_config(cfg)
   settings = Settings.from_config(cfg)
-  if cfg.batch_size < 1:
-    raise ValueError(f'batch_size must be >= 1, got {cfg.batch_size}')
   prompts = configured_prompts(cfg, prompts)
   if len(prompts) > cfg.batch_size:
     raise ValueError(f'{len(prompts)} prompts given but batch_size={cfg.batch_size}: '

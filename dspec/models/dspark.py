@@ -23,8 +23,10 @@ lossless. Training uses teacher forcing (x = the data's token at a+k).
 Confidence head. c_k = σ(wᵀ[h_k; W1[x_{k−1}]] + b) (without the W1 part when
 `confidence_head_with_markov` is off): the probability that slot k is accepted given the
 prefix was. The calibrated prefix survival S_k = Π_{j≤k} σ(z_j / T_j) uses per-slot
-temperatures `confidence_temperatures` fitted on held-out data (sequential temperature
-scaling, `dspec.training.dspark_task`) and stored with the checkpoint.
+temperatures fitted on held-out data (sequential temperature scaling,
+`dspec.training.dspark_task`) and stored with the checkpoint: `confidence_temperatures`
+for sampled acceptance (the head's own target), `greedy_confidence_temperatures` for
+greedy acceptance (draft argmax = target argmax), used at T = 0.
 
 From scratch W2 is zero, so an untrained head is exactly DFlash's logits.
 
@@ -34,7 +36,7 @@ Formats: a dspec checkpoint (kind 'dspark') or speculators' DSpark form (config.
 `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
 `markov_head.gate_proj.{weight,bias}`, `markov_head.joint_proj.{weight,bias}`,
 `confidence_head.proj.{weight,bias}` beside the DFlash body). dspec writes the calibration
-as the extra key `dspec_confidence_temperatures`.
+as the extra keys `dspec_confidence_temperatures` / `dspec_greedy_confidence_temperatures`.
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ class DSparkConfig(DFlashConfig):
   confidence_head_with_markov: bool = True
   sample_from_anchor: bool = True
   confidence_temperatures: Tuple[float, ...] = ()
+  greedy_confidence_temperatures: Tuple[float, ...] = ()
 
   def __post_init__(self):
     super().__post_init__()
-    temps = tuple(float(t) for t in self.confidence_temperatures)
-    object.__setattr__(self, 'confidence_temperatures', temps)
+    for name in ('confidence_temperatures', 'greedy_confidence_temperatures'):
+      temps = tuple(float(t) for t in getattr(self, name))
+      object.__setattr__(self, name, temps)
+      if temps and (len(temps) != self.block_size or min(temps) <= 0):
+        raise ValueError(f'dspark {name} must be {self.block_size} positive values (one per '
+                         f'slot) or empty, got {list(temps)}')
     if self.draft_vocab:
       raise ValueError('dspark needs the full vocabulary (draft_vocab must be empty)')
     if not self.sample_from_anchor:
@@ -91,13 +98,11 @@ class DSparkConfig(DFlashConfig):
       raise ValueError('dspark markov_rank is 0 but the confidence head reads the Markov '
                        'embedding (confidence_head_with_markov): set markov_rank > 0 or '
                        'confidence_head_with_markov=False')
-    if temps and (len(temps) != self.block_size or min(temps) <= 0):
-      raise ValueError(f'dspark confidence_temperatures must be {self.block_size} positive '
-                       f'values (one per slot) or empty, got {list(temps)}')
 
   def to_dict(self) -> dict:
     d = super().to_dict()
     d['confidence_temperatures'] = list(self.confidence_temperatures)
+    d['greedy_confidence_temperatures'] = list(self.greedy_confidence_temperatures)
     return d
 
   @property
@@ -251,10 +256,12 @@ class DSparkModel(DFlashModel):
     return DSparkWalk(jnp.stack(tokens, axis=1), conf,
                       None if greedy else jnp.stack(qs, axis=1))
 
-  def survival(self, conf_logits_BG):
-    """Calibrated prefix survival S_k = Π_{j≤k} σ(z_j / T_j) [B, G] (T = 1 uncalibrated)."""
+  def survival(self, conf_logits_BG, greedy: bool = False):
+    """Calibrated prefix survival S_k = Π_{j≤k} σ(z_j / T_j) [B, G] with the temperatures
+    of sampled or (`greedy`, when fitted) greedy acceptance; T = 1 uncalibrated."""
     z = conf_logits_BG.astype(jnp.float32)
-    temps = self.cfg.confidence_temperatures
+    temps = (greedy and self.cfg.greedy_confidence_temperatures) or \
+        self.cfg.confidence_temperatures
     if temps:
       z = z / jnp.asarray(temps[:z.shape[-1]], jnp.float32)
     return jnp.cumprod(jax.nn.sigmoid(z), axis=-1)
@@ -330,6 +337,8 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
       confidence_head_with_markov=spec.get('confidence_head_with_markov', bool, True),
       sample_from_anchor=spec.get('sample_from_anchor', bool, True),
       confidence_temperatures=tuple(spec.get('dspec_confidence_temperatures', list, [])),
+      greedy_confidence_temperatures=tuple(
+          spec.get('dspec_greedy_confidence_temperatures', list, [])),
       **attention)
   tensors = {k: v for k, v in formats._tensor_files(path).items()
              if k not in formats._SPECULATORS_IGNORED + ('t2d', 'd2t')}
@@ -397,6 +406,8 @@ def speculators_config(drafter: DSparkModel) -> dict:
       speculators_version='0.9.0', tie_word_embeddings=False)
   if cfg.confidence_temperatures:
     config['dspec_confidence_temperatures'] = list(cfg.confidence_temperatures)
+  if cfg.greedy_confidence_temperatures:
+    config['dspec_greedy_confidence_temperatures'] = list(cfg.greedy_confidence_temperatures)
   return config
 
 

@@ -22,9 +22,11 @@ TV and α, the confidence target), and the shards stay target-agnostic and small
 Calibration (`fit_calibration`): on held-out blocks (first half) each slot's temperature
 T_k is fitted in turn (sequential temperature scaling) so that the calibrated prefix
 survival Ŝ_k = Ŝ_{k−1} · σ(z_k / T_k) minimises the BCE to the expected survival
-S_k = Π_{j≤k} α_j; the temperatures are stored with the exported checkpoint
-(`confidence_temperatures`), and the expected calibration error (ECE, 10 bins, over all
-valid (block, slot) pairs) of Ŝ before and after is measured on the other half.
+S_k = Π_{j≤k} α_j (sampled acceptance; `confidence_temperatures`) and, separately, to
+the greedy survival Π_{j≤k} 1[draft argmax_j = target argmax_j]
+(`greedy_confidence_temperatures`, used at T = 0); both are stored with the exported
+checkpoint, and the expected calibration error (ECE, 10 bins, over all valid (block, slot)
+pairs) of Ŝ before and after is measured on the other half.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ _TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 161)
 
 def dspark_terms(drafter: DSparkModel, target, tokens_BS, loss_mask_BS, anchors_BN,
                  gamma: float) -> dict:
-  """Per-slot terms [B, N, K] of slots 0..K−1: ce, tv, alpha, bce, conf (logits), hit,
-  valid, weight; block_valid [B, N]."""
+  """Per-slot terms [B, N, K] of slots 0..K−1: ce, tv, alpha, bce, conf (logits), hit
+  (argmax = label), agree (argmax = the target's argmax), valid, weight; block_valid
+  [B, N]."""
   cfg = drafter.cfg
   big_b = cfg.block_size
   b, s = tokens_BS.shape
@@ -94,6 +97,7 @@ def dspark_terms(drafter: DSparkModel, target, tokens_BS, loss_mask_BS, anchors_
       'tv': tv_BNK,
       'alpha': alpha_BNK,
       'hit': jnp.argmax(logits_BNKV, axis=-1) == labels_BNK,
+      'agree': jnp.argmax(logits_BNKV, axis=-1) == jnp.argmax(target_logp, axis=-1),
       'valid': valid_BNK,
       'weight': decay_K * valid_BNK.astype(jnp.float32),
       'block_valid': anchors_BN >= 0,
@@ -283,7 +287,8 @@ def build_task(cfg, workdir: str) -> TrainTask:
   def eval_terms(model, target, tokens_BS, loss_mask_BS, key):
     anchors_BN = sample_anchors(key, loss_mask_BS, d.num_anchors, d.anchor_supervised)
     terms = dspark_terms(model, target, tokens_BS, loss_mask_BS, anchors_BN, gamma)
-    keep = {k: terms[k] for k in ('alpha', 'valid', 'block_valid', 'conf') if k in terms}
+    keep = {k: terms[k] for k in ('alpha', 'agree', 'valid', 'block_valid', 'conf')
+            if k in terms}
     return dspark_sums(terms), keep
 
   def held_out(model, target):
@@ -302,13 +307,21 @@ def build_task(cfg, workdir: str) -> TrainTask:
     arrays = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
     return total, arrays
 
+  def calibrations(arrays) -> dict:
+    """{'sampled' | 'greedy': calibration_report} of the held-out blocks."""
+    return {mode: calibration_report(arrays['conf'], arrays[key].astype(np.float64),
+                                     arrays['valid'])
+            for mode, key in (('sampled', 'alpha'), ('greedy', 'agree'))}
+
   def evaluate(model, target) -> dict:
-    """Held-out metrics; with the confidence head also the calibration's ECE."""
+    """Held-out metrics; with the confidence head also the calibration errors (ECE of the
+    sampled and the greedy prefix survival, before and after temperature scaling)."""
     total, arrays = held_out(model, target)
     m = {k: float(v) for k, v in dspark_metrics(total, **weights).items()}
     if 'conf' in arrays and len(arrays['conf']):
-      report = calibration_report(arrays['conf'], arrays['alpha'], arrays['valid'])
-      m.update(ece_raw=report['ece_raw'], ece=report['ece'])
+      for mode, report in calibrations(arrays).items():
+        prefix = '' if mode == 'sampled' else 'greedy_'
+        m.update({prefix + 'ece_raw': report['ece_raw'], prefix + 'ece': report['ece']})
     return m
 
   def export(model, path, step):
@@ -316,11 +329,13 @@ def build_task(cfg, workdir: str) -> TrainTask:
     if model.confidence_head is not None and d.calibrate:
       _, arrays = held_out(model, target)
       if len(arrays['conf']):
-        report = calibration_report(arrays['conf'], arrays['alpha'], arrays['valid'])
-        model.cfg = dataclasses.replace(model.cfg,
-                                        confidence_temperatures=report['temperatures'])
-        extra['calibration'] = {k: list(v) if isinstance(v, tuple) else v
-                                for k, v in report.items()}
+        reports = calibrations(arrays)
+        model.cfg = dataclasses.replace(
+            model.cfg, confidence_temperatures=reports['sampled']['temperatures'],
+            greedy_confidence_temperatures=reports['greedy']['temperatures'])
+        extra['calibration'] = {
+            mode: {k: list(v) if isinstance(v, tuple) else v for k, v in r.items()}
+            for mode, r in reports.items()}
     save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True, extra=extra)
 
   return TrainTask(model=drafter, frozen=target, loss_fn=loss_fn, get_batch=get_batch,

@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import logging
 from flax import nnx
@@ -187,11 +186,11 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
     return p, opt_state, metrics, first_bad
 
   if placement:
-    train_step = placement.jit(train_step, out_shardings=(
+    train_step = placement.jit(train_step, donate_argnums=(0, 1), out_shardings=(
         placement.shardings(placement.param_specs(params)),
         placement.shardings(placement.param_specs(opt_state)), None, None))
-  else:
-    train_step = jax.jit(train_step)
+  else:   # the train state is donated: one copy of params and moments in memory
+    train_step = jax.jit(train_step, donate_argnums=(0, 1))
 
   def check_finite(first_bad):
     bad = int(first_bad)
@@ -233,6 +232,7 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
         f.write(json.dumps(last) + '\n')
     if ckpt_now:
       ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
+      ckpt.wait()   # the next step donates these buffers: the save must have read them
     if export_now:
       task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
     if out_of_time:

@@ -13,7 +13,7 @@ propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = nu
          head scores it; the row then verifies only its first n_r drafts.
 
 Verify length (`verify_lengths`). With the calibrated prefix survival S_k (the probability
-that drafts 1..k are all accepted), verifying n drafts commits E(n) = 1 + Σ_{k≤n} S_k
+that drafts 1..k are all accepted; greedy or sampled calibration by the decoding mode), verifying n drafts commits E(n) = 1 + Σ_{k≤n} S_k
 tokens in expectation. Cost model: a step costs c0 · (1 + λ·n) — c0 the fixed cost (draft
 pass, the anchor's verify row, engine overhead), λ = `verify_cost` the marginal cost of one
 more verified token relative to c0 (≈ 0 when verification is memory-bound, batch 1 on an
@@ -108,7 +108,8 @@ class DSparkDrafter(DFlashDrafter):
     walk, block_len_B = self.draft(model, cache, target, ctx, key)
     n_B = block_len_B
     if walk.conf_logits_BG is not None:
-      n_B = verify_lengths(model.survival(walk.conf_logits_BG), block_len_B,
+      greedy = ctx.sampling is None or ctx.sampling.greedy
+      n_B = verify_lengths(model.survival(walk.conf_logits_BG, greedy), block_len_B,
                            self.verify_cost, self.verify_budget)
     return Proposal(walk.tokens_BG, n_B, walk.q_BGV)
 
