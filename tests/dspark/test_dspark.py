@@ -70,13 +70,19 @@ def test_training_learns_the_sequence_and_stores_the_calibration(toy):
   assert ev['acc1'] > 0.95 and ev['tau_est'] > 3.0, ev
   assert ev['alpha'] > 0.5 and ev['conf_mae'] < 0.5, ev
   assert 0.0 <= ev['ece'] <= 1.0 and 0.0 <= ev['ece_raw'] <= 1.0
-  print(f"held-out ECE of the prefix survival: raw {ev['ece_raw']:.3f}, "
-        f"calibrated {ev['ece']:.3f}")
+  print(f"held-out ECE of the prefix survival: sampled raw {ev['ece_raw']:.3f}, calibrated "
+        f"{ev['ece']:.3f}; greedy raw {ev['greedy_ece_raw']:.3f}, calibrated "
+        f"{ev['greedy_ece']:.3f}")
   meta = checkpoint.read_model_metadata(toy['cfg'].drafters.dspark.path, 'dspark')
   temps = meta['config']['dspark']['confidence_temperatures']
   assert len(temps) == BLOCK and all(t > 0 for t in temps)
-  assert meta['extra']['calibration']['temperatures'] == temps
+  greedy_temps = meta['config']['dspark']['greedy_confidence_temperatures']
+  assert len(greedy_temps) == BLOCK and all(t > 0 for t in greedy_temps)
+  calibration = meta['extra']['calibration']
+  assert calibration['sampled']['temperatures'] == temps
+  assert calibration['greedy']['temperatures'] == greedy_temps
   assert toy['drafter'].config.confidence_temperatures == tuple(temps)
+  assert 0.0 <= ev['greedy_ece'] <= 1.0
   assert toy['drafter'].num_draft == BLOCK and registry.name_of(toy['drafter']) == 'dspark'
 
 
