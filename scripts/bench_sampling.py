@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 from configs.common import MODEL_PRESETS  # noqa: E402
 from dspec import checkpoint  # noqa: E402
 from dspec.bench.timing import median_times  # noqa: E402
-from dspec.decoding.sampling import SamplingSpec, processed_probs  # noqa: E402
+from dspec.sampling import SamplingSpec, processed_probs  # noqa: E402
 from dspec.decoding.verification import (first_argmax, greedy_verify,  # noqa: E402
                                          rejection_verify, rejection_verify_logits)
 from dspec.models.config import TransformerConfig  # noqa: E402

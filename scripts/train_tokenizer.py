@@ -24,7 +24,7 @@ from dspec.datasets import (DEFAULT_HELDOUT_FRACTION, load_corpus,  # noqa: E402
 _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory to write the tokenizer files to.',
                                required=True)
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8192, 'Vocabulary size, special tokens included.')
-_DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data',
+_DATA_DIR = flags.DEFINE_string('data_dir', 'data',
                                 'Folder holding gsm8k/ (relative paths: cwd, then project root).')
 _MAX_CHARS = flags.DEFINE_integer('max_chars', 30_000_000,
                                   'Stop adding documents once this many characters are taken.')

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from scipy import stats
 
-from dspec.decoding.sampling import processed_probs
+from dspec.sampling import processed_probs
 
 MIN_EXPECTED = 5.0
 

@@ -12,7 +12,7 @@ from dspec.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokeniz
                              train_byte_level_bpe)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO_ROOT.parent / 'shared' / 'data'
+DATA_DIR = REPO_ROOT / 'data'
 
 SAMPLE_TEXTS = [
     "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return a + b\n",
@@ -115,7 +115,6 @@ def test_load_tokenizer_rejects_tokenizer_larger_than_model(tiny_bpe_dir):
     load_tokenizer(str(tiny_bpe_dir), vocab_size=299)
 
 
-@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f'shared data folder {DATA_DIR} is missing')
 def test_train_tokenizer_script(tmp_path):
   result = subprocess.run(
       [sys.executable, str(REPO_ROOT / 'scripts' / 'train_tokenizer.py'),

@@ -277,7 +277,7 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
         f'- AR: dspec {peer["dspec_ar_tokens_per_s"]:.1f} tok/s vs HF '
         f'{peer["hf_ar_tokens_per_s"]:.1f} tok/s → ratio {peer["ar_ratio"]:.2f} '
         f'(goal ≥ 1: {"met" if peer["goal_ar"] else "not met"}).',
-        f'- Best speculative: dspec '
+        '- Best speculative: dspec '
         + (f'{best["method"]} ({best["num_draft"]}) {best["speedup"]:.2f}×, '
            f'{best["tokens_per_s"]:.1f} tok/s' if best else 'none')
         + f' vs HF {peer["hf_best"]["method"]} {peer["hf_best"]["speedup"]:.2f}×, '

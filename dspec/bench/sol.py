@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspec.decoding.sampling import SamplingSpec, processed_probs
+from dspec.sampling import SamplingSpec, processed_probs
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

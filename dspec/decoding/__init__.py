@@ -8,7 +8,7 @@ from dspec.decoding.drafter import (Drafter, DrafterBase, HostDrafter, HostPropo
 from dspec.decoding.drafters.registry import build_drafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DecodeState, DraftContext, Proposal
 
 __all__ = [

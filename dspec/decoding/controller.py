@@ -58,7 +58,7 @@ from flax import nnx
 from dspec import files
 from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 
 
 @dataclasses.dataclass(frozen=True)

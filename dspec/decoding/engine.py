@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from dspec.decoding import drafter as drafter_lib
-from dspec.decoding.sampling import SamplingSpec, processed_probs, sample_from_probs
+from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.state import (DecodeState, DecodeStats, DecodeTrace, DraftContext,
                                   Proposal)
 from dspec.decoding.verification import greedy_verify, rejection_verify_logits

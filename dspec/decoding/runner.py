@@ -26,7 +26,7 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.metrics import acceptance_metrics
 

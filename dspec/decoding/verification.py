@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspec.decoding.sampling import sample_from_probs
+from dspec.sampling import sample_from_probs
 
 
 def _leading_true(ok_BG):

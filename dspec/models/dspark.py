@@ -51,7 +51,7 @@ from flax import nnx
 from safetensors.flax import save_file
 
 from dspec.checkpoint import CheckpointError, leaf_paths
-from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.sampling import processed_probs, sample_from_probs
 from dspec.files import write_atomic, write_json_atomic
 from dspec.models import drafter_formats as formats
 from dspec.models.config import TransformerConfig

@@ -9,7 +9,7 @@ from flax import nnx
 
 from conftest import generate
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 2], [33, 4, 12]]
 

@@ -17,7 +17,7 @@ from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.oracle import OracleDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec, processed_probs, sample_from_probs
+from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.verification import rejection_verify
 from lossless_checks import check_engine_samples_match_target, chi_square_pvalue, joint_counts
 from flax import nnx

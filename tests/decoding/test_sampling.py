@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from unittest import mock
 
-from dspec.decoding import sampling, verification
-from dspec.decoding.sampling import SamplingSpec, processed_probs
+from dspec import sampling, verification
+from dspec.sampling import SamplingSpec, processed_probs
 
 
 def _sorted_reference(logits, spec, temperature, top_p):

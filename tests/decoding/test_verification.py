@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspec.decoding import verification
-from dspec.decoding.sampling import SamplingSpec, processed_probs
+from dspec.sampling import SamplingSpec, processed_probs
 
 B, G, V = 6, 5, 64
 

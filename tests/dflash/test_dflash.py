@@ -24,7 +24,7 @@ from dspec import checkpoint
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters import dflash as dflash_drafters
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashModel,
                                  default_target_layer_ids, load_dflash)

@@ -11,7 +11,7 @@ from flax import nnx
 from lossless_checks import check_engine_samples_match_target
 from dspec.decoding.drafters.dspark import DSparkDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.models import dspark
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

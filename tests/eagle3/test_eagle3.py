@@ -18,7 +18,7 @@ from conftest import TINY, generate
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models import eagle3_formats
 from dspec.models.config import TransformerConfig

@@ -16,7 +16,7 @@ from conftest import REPO_ROOT, TINY, generate
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.sampling import SamplingSpec
+from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.config import TransformerConfig
 from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
-from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, load_eagle3

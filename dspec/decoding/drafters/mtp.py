@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig

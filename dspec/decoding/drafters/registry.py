@@ -40,31 +40,8 @@ DEFAULTS = {
     'eagle3': {'path': '', 'num_draft': 0, 'sample_proposals': True},
 }
 
-# Draft-length names before `num_draft` became the one knob: config path -> the new field.
-LEGACY_FIELDS = {
-    'drafters.ngram.draft_len': 'drafters.ngram.num_draft',
-    'drafters.suffix.max_draft': 'drafters.suffix.num_draft',
-    'drafters.oracle.draft_len': 'drafters.oracle.num_draft',
-    'drafters.self.draft_len': 'drafters.self.num_draft',
-    'drafters.mtp.num_depths': 'drafters.mtp.num_draft',
-    'drafters.dflash.block_size': 'drafters.dflash.num_draft (= block size - 1)',
-    'drafters.oracle.source': None,
-    'verify': None,
-}
-
-
 def known() -> list:
   return sorted(['none', *_BUILDERS])
-
-
-def legacy_field_message(path: str):
-  """One line for a config path that no longer exists, or None."""
-  if path not in LEGACY_FIELDS:
-    return None
-  new = LEGACY_FIELDS[path]
-  if new is None:
-    return f'config field {path} was removed (it had no effect)'
-  return f'config field {path} was renamed: use {new}'
 
 
 def name_of(drafter) -> str:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dspec.decoding.drafter import DrafterBase, check_num_draft
-from dspec.decoding.sampling import processed_probs, sample_from_probs
+from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 
 
