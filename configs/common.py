@@ -97,9 +97,18 @@ def drafter_training(cfg, task: str, data_path: str, steps: int, minutes: float)
   drafter-training config; returns the training section."""
   cfg.data = ml_collections.ConfigDict({'path': data_path, 'heldout_fraction': 0.03})
   cfg.training = training_config(task)
-  cfg.training.num_steps = steps
-  cfg.training.max_minutes = minutes
-  return cfg.training
+  t = cfg.training
+  t.num_steps = steps
+  t.max_minutes = minutes
+  # One budget for every drafter of the family, so their tables compare like with like.
+  t.batch_size = 8
+  t.seq_len = 320                  # distill_demo: <= 192 prompt + 128 written tokens
+  t.learning_rate = 6e-4
+  t.warmup_ratio = 0.04
+  t.weight_decay = 0.0
+  t.eval_every = 250
+  t.eval_windows = 64
+  return t
 
 
 def training_config(task: str) -> ml_collections.ConfigDict:

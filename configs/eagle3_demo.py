@@ -44,13 +44,6 @@ def get_config(arg=None):
       'norm_output': False,
   })
   t = common.drafter_training(cfg, 'eagle3', args.data, args.steps, args.minutes)
-  t.batch_size = 8
-  t.seq_len = 320                  # distill_demo: <= 192 prompt + 128 written tokens
-  t.learning_rate = 6e-4
-  t.warmup_ratio = 0.04
-  t.weight_decay = 0.0
-  t.eval_every = 250
-  t.eval_windows = 64
 
   if args.tiny:
     cfg.model = common.model_config('tiny')

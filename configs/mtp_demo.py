@@ -50,7 +50,8 @@ def get_config(arg=None):
   t.mtp_lambda_schedule = ((0.0, 0.3), (0.7, 0.1))   # (fraction of steps, λ): joint only
   t.eval_every = 250
   if args.joint:
-    t.update(batch_size=16, seq_len=256, learning_rate=2e-3, storage_dtype='bfloat16')
+    t.update(batch_size=16, seq_len=256, learning_rate=2e-3, weight_decay=0.1,
+             storage_dtype='bfloat16')
   else:
     t.update(batch_size=16, seq_len=320, learning_rate=1e-3, weight_decay=0.0)
 

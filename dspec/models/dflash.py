@@ -35,6 +35,7 @@ from flax import nnx
 
 from dspec import checkpoint
 from dspec.models.config import DictConfig, TransformerConfig
+from dspec.models.draft_vocab import DraftVocab
 from dspec.models.dflash_masks import DraftLayerMask, TrainLayerMask
 from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
 from pallas_kernels.block_attention import (BD3LMMask, DFlashTrainMask, block_attention)
@@ -185,7 +186,7 @@ class BD3LMContextMask(BD3LMMask):
     return self
 
 
-class DFlashModel(nnx.Module):
+class DFlashModel(DraftVocab, nnx.Module):
   """The drafter's own weights: fusion (fc + hidden_norm), n decoder layers, final norm.
 
   `target_cfg` gives the layer shapes (`layer_cfg` is it with `num_layers` draft layers)
@@ -261,21 +262,6 @@ class DFlashModel(nnx.Module):
       cap = cfg.final_logit_softcapping
       logits = jnp.tanh(logits / cap) * cap
     return logits
-
-  def token_ids(self, index):
-    """Token ids of draft-vocabulary indices (the identity for the full vocabulary)."""
-    if not self.cfg.draft_vocab:
-      return index.astype(jnp.int32)
-    return jnp.asarray(self.cfg.draft_vocab, jnp.int32)[index]
-
-  def draft_index(self, token_ids):
-    """Draft-vocabulary index of each token id, −1 where the drafter cannot propose it."""
-    if not self.cfg.draft_vocab:
-      return token_ids.astype(jnp.int32)
-    table_V = jnp.full((self.target_cfg.vocab_size,), -1, jnp.int32)
-    table_V = table_V.at[jnp.asarray(self.cfg.draft_vocab)].set(
-        jnp.arange(len(self.cfg.draft_vocab), dtype=jnp.int32))
-    return table_V[token_ids]
 
   def _attend(self, q_BTHD, k_BSKD, v_BSKD, mask, offsets):
     impl = self.cfg.attention_impl

@@ -33,6 +33,7 @@ from flax import nnx
 
 from dspec import checkpoint
 from dspec.models.config import DictConfig, TransformerConfig
+from dspec.models.draft_vocab import DraftVocab
 from dspec.models.layers import (MLP, Attention, DecoderLayer, RMSNorm, attend,
                                  rope_tables)
 
@@ -116,7 +117,7 @@ class Eagle3FirstLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Model(nnx.Module):
+class Eagle3Model(DraftVocab, nnx.Module):
   """EAGLE-3 weights for a target of shape `target_cfg` (width, vocabulary, depth; the
   draft layers take its heads / head_dim / MLP width / RoPE)."""
 
@@ -198,21 +199,6 @@ class Eagle3Model(nnx.Module):
   def next_hidden(self, x_BTD):
     """What an entry hands to the next chained entry."""
     return self.norm(x_BTD) if self.cfg.norm_output else x_BTD
-
-  def token_ids(self, index):
-    """Target token ids of draft-vocabulary indices."""
-    if not self.cfg.draft_vocab:
-      return index.astype(jnp.int32)
-    return jnp.asarray(self.cfg.draft_vocab, jnp.int32)[index]
-
-  def draft_index(self, token_ids):
-    """Draft-vocabulary index of each token id, -1 where the drafter cannot propose it."""
-    if not self.cfg.draft_vocab:
-      return token_ids.astype(jnp.int32)
-    table_V = jnp.full((self.target_cfg.vocab_size,), -1, jnp.int32)
-    table_V = table_V.at[jnp.asarray(self.cfg.draft_vocab)].set(
-        jnp.arange(len(self.cfg.draft_vocab), dtype=jnp.int32))
-    return table_V[token_ids]
 
   def ttt_logits(self, target, g_BTD, tokens_BS, steps: int):
     """Training-time test: logits [B, T, V'] of each of `steps` steps. tokens_BS holds
