@@ -261,11 +261,6 @@ def bd3lm_loss(drafter, target, batch, key, *, eps_min: float, eps_max: float,
 # ------------------------------------------------------------------------------- task
 
 
-def _fit(a: np.ndarray, width: int) -> np.ndarray:
-  a = a[:, :width]
-  return np.pad(a, ((0, 0), (0, width - a.shape[1])))
-
-
 def frequent_tokens(tokens, loss_mask, count: int, vocab_size: int) -> tuple:
   """The `count` token ids the target writes most often (ties: more frequent overall,
   then lower id), sorted: the draft vocabulary of a reduced head."""
@@ -313,29 +308,21 @@ def build_task(cfg, workdir: str) -> TrainTask:
   `cfg.model`."""
   del workdir
   from dspec.loading import build_target
-  from dspec.training.distill import load_distilled
+  from dspec.training.distill import load_distilled, split_distilled
   tcfg, d = cfg.training, cfg.dflash
   target, tokenizer, _ = build_target(cfg.model)
-  data = load_distilled(cfg.data.path)
-  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len)
-  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len)
+  rows = split_distilled(load_distilled(cfg.data.path), tcfg.seq_len,
+                         cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  tokens, loss_mask = rows.tokens, rows.loss_mask
+  held_tokens, held_mask = rows.held_tokens, rows.held_mask
   draft_vocab = ()
   if d.draft_vocab_size:
     draft_vocab = frequent_tokens(tokens, loss_mask, d.draft_vocab_size,
                                   target.cfg.vocab_size)
   drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id, draft_vocab)
-  n_held = int(round(len(tokens) * cfg.data.heldout_fraction))
-  n_train = len(tokens) - n_held
-  if n_train < 1:
-    raise ValueError(f'{cfg.data.path}: {len(tokens)} sequences leave none for training')
-  # Too small for a held-out split: evaluate on the training rows.
-  held = slice(n_train, None) if n_held else slice(0, n_train)
-  held_tokens = tokens[held][:tcfg.eval_windows]
-  held_mask = loss_mask[held][:tcfg.eval_windows]
 
   def get_batch(step: int) -> dict:
-    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
-    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+    return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
   gamma = loss_gamma(d.block_size, d.loss_gamma)
   if tcfg.task in ('dflash', 'dflash2'):

@@ -15,6 +15,7 @@ at a time may write a directory (a lock refuses a second).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -200,3 +201,41 @@ def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) ->
       _load_shard(out_dir, n)['loss_mask'].sum() for n in manifest['shards']))
   write_json_atomic(manifest_path, manifest)
   return manifest
+
+
+def fit_rows(a: np.ndarray, width: int) -> np.ndarray:
+  """Rows cut or zero-padded to `width` columns."""
+  a = a[:, :width]
+  return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+@dataclasses.dataclass
+class DistilledRows:
+  """Distilled rows fitted to the training width, split into train rows and held-out rows
+  (a set too small to hold any out evaluates on its training rows)."""
+
+  tokens: np.ndarray       # [N, width] int32
+  loss_mask: np.ndarray    # [N, width] bool: target-written tokens
+  num_train: int
+  held_tokens: np.ndarray
+  held_mask: np.ndarray
+
+  def batch(self, step: int, seed: int, batch_size: int) -> dict:
+    """The deterministic training batch of `step`."""
+    rows = np.random.default_rng([seed, step]).integers(self.num_train, size=batch_size)
+    return {'tokens': self.tokens[rows], 'loss_mask': self.loss_mask[rows]}
+
+
+def split_distilled(data: dict, width: int, heldout_fraction: float, eval_windows: int,
+                    name: str = 'distilled data') -> DistilledRows:
+  """`load_distilled` output fitted to `width` and split; the last `heldout_fraction` of
+  the rows are held out (at most `eval_windows` of them are kept for evaluation)."""
+  tokens = fit_rows(data['tokens'].astype(np.int32), width)
+  loss_mask = fit_rows(data['loss_mask'].astype(bool), width)
+  n_held = int(round(len(tokens) * heldout_fraction))
+  n_train = len(tokens) - n_held
+  if n_train < 1:
+    raise ValueError(f'{name}: {len(tokens)} sequences leave none for training')
+  held = slice(n_train, None) if n_held else slice(0, n_train)
+  return DistilledRows(tokens, loss_mask, n_train, tokens[held][:eval_windows],
+                       loss_mask[held][:eval_windows])

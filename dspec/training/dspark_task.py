@@ -42,7 +42,7 @@ from flax import nnx
 
 from dspec.models.dflash import save_dflash
 from dspec.models.dspark import DSparkConfig, DSparkModel
-from dspec.training.dflash_task import _fit, loss_gamma, sample_anchors
+from dspec.training.dflash_task import loss_gamma, sample_anchors
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
 
@@ -258,24 +258,16 @@ def build_task(cfg, workdir: str) -> TrainTask:
   """The 'dspark' task: a DSpark drafter on `cfg.data.path` for the target `cfg.model`."""
   del workdir
   from dspec.loading import build_target
-  from dspec.training.distill import load_distilled
+  from dspec.training.distill import load_distilled, split_distilled
   tcfg, d = cfg.training, cfg.dspark
   target, tokenizer, _ = build_target(cfg.model)
-  data = load_distilled(cfg.data.path)
-  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len)
-  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len)
+  rows = split_distilled(load_distilled(cfg.data.path), tcfg.seq_len,
+                         cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  held_tokens, held_mask = rows.held_tokens, rows.held_mask
   drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id)
-  n_held = int(round(len(tokens) * cfg.data.heldout_fraction))
-  n_train = len(tokens) - n_held
-  if n_train < 1:
-    raise ValueError(f'{cfg.data.path}: {len(tokens)} sequences leave none for training')
-  held = slice(n_train, None) if n_held else slice(0, n_train)
-  held_tokens = tokens[held][:tcfg.eval_windows]
-  held_mask = loss_mask[held][:tcfg.eval_windows]
 
   def get_batch(step: int) -> dict:
-    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
-    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+    return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
   gamma = loss_gamma(d.block_size + 1, d.loss_gamma)
   weights = dict(ce_weight=d.ce_weight, tv_weight=d.tv_weight,

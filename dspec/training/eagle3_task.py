@@ -22,7 +22,8 @@ from flax import nnx
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  save_eagle3)
 from dspec.models.mtp import shifted
-from dspec.training.dflash_task import _fit, frequent_tokens
+from dspec.training.dflash_task import frequent_tokens
+from dspec.training.distill import fit_rows, split_distilled
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
 
@@ -103,9 +104,8 @@ def build_task(cfg, workdir: str) -> TrainTask:
   tcfg = cfg.training
   target, _, _ = build_target(cfg.model)
   data = load_distilled(cfg.data.path)
-  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len)
-  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len)
-  return make_task(cfg, target, tokens, loss_mask)
+  return make_task(cfg, target, fit_rows(data['tokens'].astype(np.int32), tcfg.seq_len),
+                   fit_rows(data['loss_mask'].astype(bool), tcfg.seq_len))
 
 
 def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
@@ -116,18 +116,13 @@ def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
     draft_vocab = frequent_tokens(tokens, loss_mask, e.draft_vocab_size,
                                   target.cfg.vocab_size)
   model = build_model(cfg, target, draft_vocab)
-  n_held = int(round(len(tokens) * cfg.data.heldout_fraction))
-  n_train = len(tokens) - n_held
-  if n_train < 1:
-    raise ValueError(f'{cfg.data.path}: {len(tokens)} sequences leave none for training')
-  held = slice(n_train, None) if n_held else slice(0, n_train)
-  held_tokens = tokens[held][:tcfg.eval_windows]
-  held_mask = loss_mask[held][:tcfg.eval_windows]
+  rows = split_distilled({'tokens': tokens, 'loss_mask': loss_mask}, tokens.shape[1],
+                         cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  held_tokens, held_mask = rows.held_tokens, rows.held_mask
   steps, decay = e.ttt_steps, e.loss_decay
 
   def get_batch(step: int) -> dict:
-    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
-    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+    return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
   @jax.jit
   def eval_sums(model, target, tokens_BS, loss_mask_BS):

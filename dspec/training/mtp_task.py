@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
+from dspec.training.distill import split_distilled
 from dspec.training.losses import masked_mean, token_cross_entropy
 from dspec.training.trainer import TrainTask
 
@@ -201,29 +202,16 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
                    get_batch=get_batch, evaluate=evaluate, export=export)
 
 
-def _fit(a: np.ndarray, width: int) -> np.ndarray:
-  a = a[:, :width]
-  return np.pad(a, ((0, 0), (0, width - a.shape[1])))
-
-
 def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
                  heldout_fraction: float, name: str = 'distilled data') -> TrainTask:
   """'mtp_posthoc' on `data` (`load_distilled` format) for the frozen `target`."""
   mtp = MTP(mtp_cfg, target.cfg, rngs=nnx.Rngs(tcfg.seed))
   weights = depth_weights(mtp_cfg.num_depths, tcfg.mtp_beta)
-  tokens = _fit(data['tokens'].astype(np.int32), tcfg.seq_len + 1)
-  loss_mask = _fit(data['loss_mask'].astype(bool), tcfg.seq_len + 1)
-  n_held = int(round(len(tokens) * heldout_fraction))
-  n_train = len(tokens) - n_held
-  if n_train < 1:
-    raise ValueError(f'{name}: {len(tokens)} sequences leave none for training')
-  held = slice(n_train, None) if n_held else slice(0, n_train)   # tiny sets: train rows
-  evaluate = _evaluator(_chunks(tokens[held][:tcfg.eval_windows],
-                                loss_mask[held][:tcfg.eval_windows], tcfg.batch_size))
+  rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
+  evaluate = _evaluator(_chunks(rows.held_tokens, rows.held_mask, tcfg.batch_size))
 
   def get_batch(step: int) -> dict:
-    rows = np.random.default_rng([tcfg.seed, step]).integers(n_train, size=tcfg.batch_size)
-    return {'tokens': tokens[rows], 'loss_mask': loss_mask[rows]}
+    return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
   def export(model, path, step):
     save_mtp(path, model, storage_dtype=tcfg.storage_dtype, force=True,
