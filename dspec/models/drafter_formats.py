@@ -152,21 +152,28 @@ class _Keys:
     return value
 
 
-def _layer_shapes(keys: _Keys, num_target_layers: int, dtype: str) -> tuple:
-  """(TransformerConfig of the draft layers with the target's depth, n layers, attention
-  fields) from a Qwen3 config dict."""
-  model_type = keys.config.get('model_type')
-  if model_type not in (None, 'qwen3'):
-    raise keys.error('model_type', f'must be "qwen3" (the draft layers), got {model_type!r}')
+def layer_rope_theta(keys: _Keys, model_types: tuple) -> float:
+  """Checks a draft-layer config dict (model_type in `model_types`, unbiased SiLU layers,
+  default RoPE) and returns its rope theta; FormatError naming the key otherwise."""
+  model_type = keys.config.get('model_type', model_types[0])
+  if model_type not in model_types:
+    raise keys.error('model_type', f'must be one of {model_types} (the draft layers), got '
+                     f'{model_type!r}')
   if keys.get('attention_bias', bool, False) or keys.get('mlp_bias', bool, False):
     raise keys.error('attention_bias', 'is true: biased draft layers are not supported')
   act = keys.config.get('hidden_act', 'silu')
   if act != 'silu':
     raise keys.error('hidden_act', f'must be "silu", got {act!r}')
   try:
-    rope_theta = _rope_theta(keys.config)
+    return _rope_theta(keys.config)
   except ValueError as e:
     raise keys.error('rope_parameters', f'is not supported ({e})') from None
+
+
+def _layer_shapes(keys: _Keys, num_target_layers: int, dtype: str) -> tuple:
+  """(TransformerConfig of the draft layers with the target's depth, n layers, attention
+  fields) from a Qwen3 config dict."""
+  rope_theta = layer_rope_theta(keys, ('qwen3',))
   heads = keys.get('num_attention_heads', int, required=True)
   n = keys.get('num_hidden_layers', int, required=True)
   try:

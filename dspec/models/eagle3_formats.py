@@ -31,10 +31,10 @@ from safetensors.numpy import save_file
 
 from dspec.checkpoint import leaf_paths
 from dspec.files import write_atomic, write_json_atomic
-from dspec.hf_import import _open_safetensors, _rope_theta, _tensor_files
+from dspec.hf_import import _open_safetensors, _tensor_files
 from dspec.models.config import TransformerConfig
 from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
-                                          _verifier_depth)
+                                          _verifier_depth, layer_rope_theta)
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  load_dspec_eagle3)
 
@@ -75,18 +75,8 @@ def load(path, *, target_cfg: Optional[TransformerConfig] = None,
 
 
 def _layer_shapes(keys: _Keys, vocab: int, depth: int, dtype: str) -> TransformerConfig:
+  rope_theta = layer_rope_theta(keys, ('llama', 'qwen3'))
   model_type = keys.config.get('model_type', 'llama')
-  if model_type not in ('llama', 'qwen3'):
-    raise keys.error('model_type', f'must be "llama" or "qwen3", got {model_type!r}')
-  if keys.get('attention_bias', bool, False) or keys.get('mlp_bias', bool, False):
-    raise keys.error('attention_bias', 'is true: biased draft layers are not supported')
-  act = keys.config.get('hidden_act', 'silu')
-  if act != 'silu':
-    raise keys.error('hidden_act', f'must be "silu", got {act!r}')
-  try:
-    rope_theta = _rope_theta(keys.config)
-  except ValueError as e:
-    raise keys.error('rope_parameters', f'is not supported ({e})') from None
   layer_types = keys.get('layer_types', list) or []
   if any(t != 'full_attention' for t in layer_types):
     raise keys.error('layer_types', f'must all be "full_attention", got {layer_types!r}')
