@@ -145,6 +145,16 @@ def check_width_and_vocab(kind: str, drafter_target_cfg, target_cfg) -> None:
                      f'the target vocab {target_cfg.vocab_size}')
 
 
+def checkpoint_path(cfg, kind: str) -> str:
+  """`cfg.drafters.<kind>.path`, or ValueError saying how to set and make one."""
+  path = cfg.drafters[kind].path
+  if not path:
+    raise ValueError(f'drafter {kind} needs a trained checkpoint: set '
+                     f'--config.drafters.{kind}.path=<dir> (train one: scripts/train.py '
+                     f'--config=configs/{kind}_demo.py)')
+  return path
+
+
 def check_num_draft(kind: str, num_draft: int, low: int = 1,
                     high: Optional[int] = None) -> None:
   """ValueError naming `drafters.<kind>.num_draft` when it is outside [low, high]."""

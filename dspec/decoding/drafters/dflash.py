@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
+                                    checkpoint_path)
 from dspec.decoding.state import Proposal
 from dspec.models import dflash as dflash_model
 from dspec.models import dflash2
@@ -180,9 +181,7 @@ def _append_context(model: dflash_model.DFlashModel, cache: KVCache, target, tap
 def build(cfg, target) -> Tuple[DFlashDrafter, Any]:
   """(drafter, params) from `cfg.drafters.dflash` (path, num_draft, denoise_steps, ...)."""
   c = cfg.drafters.dflash
-  if not c.path:
-    raise ValueError('drafter dflash needs a trained checkpoint: set '
-                     '--config.drafters.dflash.path=<dir> (e.g. demo/dflash)')
-  model = dflash_model.load_drafter(c.path, attention_impl=c.attention_impl,
+  model = dflash_model.load_drafter(checkpoint_path(cfg, 'dflash'),
+                                    attention_impl=c.attention_impl,
                                     num_target_layers=target.cfg.num_layers)
   return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspec.decoding.drafter import check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import check_num_draft, check_width_and_vocab, checkpoint_path
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.state import Proposal
 from dspec.models import dspark as dspark_model
@@ -134,10 +134,8 @@ class DSparkDrafter(DFlashDrafter):
 def build(cfg, target) -> Tuple[DSparkDrafter, Any]:
   """(drafter, params) from `cfg.drafters.dspark` (path, num_draft, verify_cost, ...)."""
   c = cfg.drafters.dspark
-  if not c.path:
-    raise ValueError('drafter dspark needs a trained checkpoint: set '
-                     '--config.drafters.dspark.path=<dir> (e.g. runs/dspark_demo/final)')
-  model = dspark_model.load_drafter(c.path, attention_impl=c.attention_impl,
+  model = dspark_model.load_drafter(checkpoint_path(cfg, 'dspark'),
+                                    attention_impl=c.attention_impl,
                                     num_target_layers=target.cfg.num_layers)
   return DSparkDrafter.create(model, num_draft=c.num_draft, verify_cost=c.verify_cost,
                               verify_budget=c.verify_budget)

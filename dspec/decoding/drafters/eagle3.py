@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
+                                    checkpoint_path)
 from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
@@ -194,8 +195,5 @@ def build(cfg, target):
   """(Eagle3Drafter, params) from `cfg.drafters.eagle3` (a dspec, speculators or legacy
   SafeAILab / SpecForge directory)."""
   c = cfg.drafters.eagle3
-  if not c.path:
-    raise ValueError('drafter eagle3 needs --config.drafters.eagle3.path=<checkpoint dir> '
-                     '(train one: scripts/train.py --config=configs/eagle3_demo.py)')
-  model = load_eagle3(c.path, target_cfg=target.cfg)
+  model = load_eagle3(checkpoint_path(cfg, 'eagle3'), target_cfg=target.cfg)
   return Eagle3Drafter.create(model, c.num_draft, c.sample_proposals)

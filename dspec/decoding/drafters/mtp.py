@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.sampling import processed_probs, sample_from_probs
-from dspec.decoding.drafter import DrafterBase, check_num_draft, check_width_and_vocab
+from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
+                                    checkpoint_path)
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.kv_cache import KVCache
@@ -245,7 +246,5 @@ class MTPDrafter(DrafterBase):
 def build(cfg, target):
   """(MTPDrafter, params) from `cfg.drafters.mtp`; num_draft 0: every trained depth."""
   c = cfg.drafters.mtp
-  if not c.path:
-    raise ValueError('drafter mtp needs --config.drafters.mtp.path=<MTP checkpoint dir> '
-                     '(train one: scripts/train.py --config=configs/mtp_demo.py)')
-  return MTPDrafter.from_model(load_mtp(c.path), c.num_draft, c.sample_proposals)
+  return MTPDrafter.from_model(load_mtp(checkpoint_path(cfg, 'mtp')), c.num_draft,
+                               c.sample_proposals)
