@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from tqdm import tqdm
 from absl import logging
 from flax import nnx
 
@@ -205,6 +206,8 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
   last, evals = {}, {}
   first_bad = jnp.asarray(-1, jnp.int32)
   done = start_step
+  bar = tqdm(total=cfg.num_steps, initial=start_step, desc='train', unit='step',
+             dynamic_ncols=True, file=sys.stderr)
   for step in range(start_step, cfg.num_steps):
     batch = jax.tree.map(jnp.asarray, task.get_batch(step))
     if placement:
@@ -212,6 +215,7 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
     done = step + 1
     params, opt_state, metrics, first_bad = train_step(
         params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
+    bar.update()
     out_of_time = cfg.max_minutes and (time.time() - t_start) > 60 * cfg.max_minutes
     export_now = (task.export is not None and cfg.get('export_every')
                   and done % cfg.export_every == 0)
@@ -227,7 +231,8 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
         evals = task.evaluate(nnx.merge(graphdef, params, rest), task.frozen)
         last.update({f'eval/{k}': v for k, v in evals.items()})
       logging.info('step %d %s', done, json.dumps(last))
-      print(json.dumps(last), flush=True)
+      bar.set_postfix(loss=f"{last['loss']:.3f}")
+      tqdm.write(json.dumps(last), file=sys.stdout)
       with open(log_path, 'a') as f:
         f.write(json.dumps(last) + '\n')
     if ckpt_now:
@@ -238,6 +243,7 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
     if out_of_time:
       logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
       break
+  bar.close()
   check_finite(first_bad)
   ckpt.wait()
   model = nnx.merge(graphdef, params, rest)
