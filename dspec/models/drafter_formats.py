@@ -71,6 +71,22 @@ def zlab_target_layer_ids(num_target_layers: int, num_layers: int) -> tuple:
   return tuple(round(1 + i * span / (num_layers - 1)) for i in range(num_layers))
 
 
+def check_exportable(drafter, form: str) -> None:
+  """ValueError when a dspec DFlash-family drafter has no equivalent in `form` (z-lab,
+  speculators): an anchor-relative window, no q/k norms, or the last target layer tapped
+  before the final norm."""
+  cfg, shapes = drafter.cfg, drafter.layer_cfg
+  if not cfg.layer_types and cfg.sliding_window:
+    raise ValueError(f"dspec's anchor-relative sliding_window has no {form} form")
+  if not shapes.qk_norm:
+    raise ValueError(f'{form} draft layers have q/k norms: a drafter without qk_norm has no '
+                     f'{form} form')
+  last = drafter.target_cfg.num_layers - 1
+  if last in cfg.target_layer_ids and not cfg.final_tap_normed:
+    raise ValueError(f'the drafter taps the last target layer ({last}) before the final '
+                     f'norm; {form} reads it after')
+
+
 def detect(path) -> str:
   """'zlab', 'speculators' or 'dspec' for a drafter directory."""
   path = os.fspath(path)
@@ -405,15 +421,7 @@ def zlab_config(drafter: DFlashModel) -> dict:
   cfg, shapes = drafter.cfg, drafter.layer_cfg
   if cfg.draft_vocab:
     raise ValueError('a reduced draft vocabulary (draft_vocab) has no z-lab form')
-  if not cfg.layer_types and cfg.sliding_window:
-    raise ValueError('dspec\'s anchor-relative sliding_window has no z-lab form')
-  if not shapes.qk_norm:
-    raise ValueError('z-lab draft layers have q/k norms: a drafter without qk_norm has no '
-                     'z-lab form')
-  last = drafter.target_cfg.num_layers - 1
-  if last in cfg.target_layer_ids and not cfg.final_tap_normed:
-    raise ValueError(f'the drafter taps the last target layer ({last}) before the final '
-                     'norm; z-lab reads it after')
+  check_exportable(drafter, 'z-lab')
   layer_types = list(cfg.layer_types) or ['full_attention'] * cfg.num_layers
   kind = drafter.checkpoint_kind
   draft = dict(mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),

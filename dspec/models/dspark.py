@@ -367,15 +367,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
 def speculators_config(drafter: DSparkModel) -> dict:
   """speculators' DSpark config.json of a drafter (ValueError when it has no such form)."""
   cfg, shapes = drafter.cfg, drafter.layer_cfg
-  if not cfg.layer_types and cfg.sliding_window:
-    raise ValueError('dspec\'s anchor-relative sliding_window has no speculators form')
-  if not shapes.qk_norm:
-    raise ValueError('speculators draft layers have q/k norms: a drafter without qk_norm '
-                     'has no speculators form')
-  last = drafter.target_cfg.num_layers - 1
-  if last in cfg.target_layer_ids and not cfg.final_tap_normed:
-    raise ValueError(f'the drafter taps the last target layer ({last}) before the final '
-                     'norm; speculators reads it after')
+  formats.check_exportable(drafter, 'speculators')
   layer_types = list(cfg.layer_types) or ['full_attention'] * cfg.num_layers
   sliding_causal = cfg.is_causal is None or cfg.is_causal
   if cfg.is_causal and 'full_attention' in layer_types:
