@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from unittest import mock
 
-from dspec import sampling, verification
+from dspec import sampling
+from dspec.decoding import verification
 from dspec.sampling import SamplingSpec, processed_probs
 
 
