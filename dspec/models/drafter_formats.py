@@ -71,6 +71,34 @@ def zlab_target_layer_ids(num_target_layers: int, num_layers: int) -> tuple:
   return tuple(round(1 + i * span / (num_layers - 1)) for i in range(num_layers))
 
 
+def read_tensor(stack: contextlib.ExitStack, handles: dict, file: str, name: str, leaf,
+                transpose: bool):
+  """Tensor `name` of safetensors `file` (opened once into `handles`) as the dtype of
+  `leaf`, transposed from torch's [out, in] when asked; FormatError on a shape mismatch."""
+  if file not in handles:
+    handles[file] = stack.enter_context(_open_safetensors(file))
+  tensor = handles[file].get_tensor(name)
+  expected = leaf.shape[::-1] if transpose else leaf.shape
+  if tuple(tensor.shape) != tuple(expected):
+    raise FormatError(f'{file}: tensor {name!r} has shape {tuple(tensor.shape)}, '
+                      f'expected {tuple(expected)}')
+  return jnp.asarray(tensor.T if transpose else tensor, dtype=leaf.dtype)
+
+
+def qwen3_layer_config(drafter, layer_types: list) -> dict:
+  """The HF Qwen3 config fields of a DFlash-family drafter's layers (z-lab's config.json,
+  speculators' `transformer_layer_config`)."""
+  cfg, shapes = drafter.cfg, drafter.layer_cfg
+  return dict(
+      model_type='qwen3', hidden_size=shapes.embed_dim, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=shapes.num_heads, num_key_value_heads=shapes.num_kv_heads,
+      head_dim=shapes.head_dim, intermediate_size=shapes.mlp_dim, hidden_act='silu',
+      rms_norm_eps=shapes.norm_eps, vocab_size=shapes.vocab_size,
+      rope_parameters={'rope_theta': shapes.rope_theta, 'rope_type': 'default'},
+      attention_bias=False, tie_word_embeddings=False, layer_types=layer_types,
+      use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+
+
 def check_exportable(drafter, form: str) -> None:
   """ValueError when a dspec DFlash-family drafter has no equivalent in `form` (z-lab,
   speculators): an anchor-relative window, no q/k norms, or the last target layer tapped
@@ -267,15 +295,7 @@ def _fill(drafter: DFlashModel, path: str, tensors: dict) -> None:
         raise FormatError(f'{path}: tensor {candidates[0][0]!r} is missing')
       name, transpose = found[0]
       used.add(name)
-      file = tensors[name]
-      if file not in handles:
-        handles[file] = stack.enter_context(_open_safetensors(file))
-      tensor = handles[file].get_tensor(name)
-      expected = leaf.shape[::-1] if transpose else leaf.shape
-      if tuple(tensor.shape) != tuple(expected):
-        raise FormatError(f'{file}: tensor {name!r} has shape {tuple(tensor.shape)}, '
-                          f'expected {tuple(expected)}')
-      return jnp.asarray(tensor.T if transpose else tensor, dtype=leaf.dtype)
+      return read_tensor(stack, handles, tensors[name], name, leaf, transpose)
 
     params = jax.tree.unflatten(jax.tree.structure(abstract),
                                 [read(name, leaf) for name, leaf in flat.items()])
@@ -418,7 +438,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
 
 def zlab_config(drafter: DFlashModel) -> dict:
   """The z-lab config.json of a drafter (ValueError if z-lab cannot express it)."""
-  cfg, shapes = drafter.cfg, drafter.layer_cfg
+  cfg = drafter.cfg
   if cfg.draft_vocab:
     raise ValueError('a reduced draft vocabulary (draft_vocab) has no z-lab form')
   check_exportable(drafter, 'z-lab')
@@ -433,15 +453,8 @@ def zlab_config(drafter: DFlashModel) -> dict:
     draft.update({k: getattr(cfg, k) for k in _DFLASH2_KEYS})
   config = dict(
       architectures=['DFlash2DraftModel' if kind == 'dflash2' else 'DFlashDraftModel'],
-      model_type='qwen3', hidden_size=shapes.embed_dim, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=shapes.num_heads, num_key_value_heads=shapes.num_kv_heads,
-      head_dim=shapes.head_dim, intermediate_size=shapes.mlp_dim, hidden_act='silu',
-      rms_norm_eps=shapes.norm_eps, vocab_size=shapes.vocab_size,
-      rope_parameters={'rope_theta': shapes.rope_theta, 'rope_type': 'default'},
-      attention_bias=False, tie_word_embeddings=False, layer_types=layer_types,
-      use_sliding_window=cfg.sliding_window is not None,
-      sliding_window=cfg.sliding_window, num_target_layers=drafter.target_cfg.num_layers,
-      dflash_config=draft)
+      **qwen3_layer_config(drafter, layer_types),
+      num_target_layers=drafter.target_cfg.num_layers, dflash_config=draft)
   if cfg.is_causal is not None:
     config['is_causal'] = cfg.is_causal
   return config

@@ -372,14 +372,7 @@ def speculators_config(drafter: DSparkModel) -> dict:
   sliding_causal = cfg.is_causal is None or cfg.is_causal
   if cfg.is_causal and 'full_attention' in layer_types:
     raise ValueError('causal full-attention layers have no speculators form')
-  layer = dict(
-      model_type='qwen3', hidden_size=shapes.embed_dim, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=shapes.num_heads, num_key_value_heads=shapes.num_kv_heads,
-      head_dim=shapes.head_dim, intermediate_size=shapes.mlp_dim, hidden_act='silu',
-      rms_norm_eps=shapes.norm_eps, vocab_size=shapes.vocab_size,
-      rope_parameters={'rope_theta': shapes.rope_theta, 'rope_type': 'default'},
-      attention_bias=False, tie_word_embeddings=False, layer_types=layer_types,
-      use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+  layer = formats.qwen3_layer_config(drafter, layer_types)
   config = dict(
       speculators_model_type='dspark', architectures=['DSparkSpeculator'],
       transformer_layer_config=layer, draft_vocab_size=shapes.vocab_size,

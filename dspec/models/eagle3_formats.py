@@ -34,7 +34,7 @@ from dspec.files import write_atomic, write_json_atomic
 from dspec.hf_import import _open_safetensors, _tensor_files
 from dspec.models.config import TransformerConfig
 from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
-                                          _verifier_depth, layer_rope_theta)
+                                          _verifier_depth, layer_rope_theta, read_tensor)
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  load_dspec_eagle3)
 
@@ -131,15 +131,7 @@ def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict
       if name not in by_name:
         raise FormatError(f'{path}: tensor {name!r} is missing')
       used.add(name)
-      f, stored = by_name[name]
-      if f not in handles:
-        handles[f] = stack.enter_context(_open_safetensors(f))
-      tensor = handles[f].get_tensor(stored)
-      expected = leaf.shape[::-1] if transpose else leaf.shape
-      if tuple(tensor.shape) != tuple(expected):
-        raise FormatError(f'{f}: tensor {stored!r} has shape {tuple(tensor.shape)}, '
-                          f'expected {tuple(expected)}')
-      return jnp.asarray(tensor.T if transpose else tensor, dtype=leaf.dtype)
+      return read_tensor(stack, handles, *by_name[name], leaf, transpose)
 
     params = jax.tree.unflatten(jax.tree.structure(abstract),
                                 [read(n, leaf) for n, leaf in leaf_paths(abstract).items()])
