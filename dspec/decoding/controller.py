@@ -305,7 +305,7 @@ class VerifyLengthController:
         copy = jax.tree.map(lambda x: x.copy(), state)
         t0 = time.perf_counter()
         out = self.engines[g].run(target_params, drafter_params, copy, steps)
-        done = max(int(out.step - state.step), 1)
+        done = max(int(jax.device_get(out.step) - jax.device_get(state.step)), 1)
         if r:
           best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
     self.costs.costs.update({(b, g): c for g, c in best.items()})
@@ -355,9 +355,10 @@ class VerifyLengthController:
     shadow = self.costs.propose[b] <= cfg.shadow_budget * cfg.steps_per_decision * \
         self.costs[b, 0]
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
-    hist, done, num, prompt_len, max_new, row0_steps = jax.device_get((
+    hist, done, num, prompt_len, max_new, steps_B = jax.device_get((
         state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
-        state.max_new_tokens, state.stats.steps_B[0]))
+        state.max_new_tokens, state.stats.steps_B))
+    row0_steps = steps_B[0]
     self.row0_tiers = []
     trace, prev, chunk = [], None, cfg.steps_per_decision
     idle, probe_every, shadowed = 0, cfg.probe_every, 0
@@ -386,9 +387,10 @@ class VerifyLengthController:
       state = self.engines[g].run(target_params, drafter_params, state, chunk)
       if shadow_now:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
-      new_hist, done, num, matched, new_row0_steps = jax.device_get((
+      new_hist, done, num, matched, steps_B = jax.device_get((
           state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched,
-          state.stats.steps_B[0]))
+          state.stats.steps_B))
+      new_row0_steps = steps_B[0]
       steps = int(new_hist.sum() - hist.sum())
       self.row0_tiers += [g] * int(new_row0_steps - row0_steps)
       row0_steps = new_row0_steps
