@@ -44,6 +44,7 @@ it by name; the greedy / chi-square losslessness suites in tests/ take it as a c
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable, Optional, Protocol, Tuple
 
@@ -115,7 +116,7 @@ class HostDrafter(Protocol):
     """Called once with the final sequences (e.g. to grow a cross-request cache)."""
 
 
-class HostProposing(StatelessDrafter):
+class HostProposing(StatelessDrafter, abc.ABC):
   """A drafter whose proposals come from a `HostDrafter` (the device side proposes none).
 
   `host_drafter_factory(private)` returns a callable making one fresh host drafter per
@@ -123,8 +124,9 @@ class HostProposing(StatelessDrafter):
   process-wide one, or with `private=True` one owned by that factory alone.
   """
 
+  @abc.abstractmethod
   def host_drafter_factory(self, private: bool = False) -> Callable[[], HostDrafter]:
-    raise NotImplementedError
+    """A callable making one fresh host drafter per generation."""
 
   def propose(self, params, state, target, ctx, key):
     return empty_proposal(ctx.tokens_BL.shape[0], self.num_draft)

@@ -38,6 +38,7 @@ from dspec.models.config import DictConfig, TransformerConfig
 from dspec.models.draft_vocab import DraftVocab
 from dspec.models.dflash_masks import DraftLayerMask, TrainLayerMask
 from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
+from dspec.models.transformer import final_normed_taps
 from pallas_kernels.block_attention import (BD3LMMask, DFlashTrainMask, block_attention)
 
 ATTENTION_IMPLS = ('xla', 'pallas', 'pallas_gpu', 'pallas_tpu', 'interpret')
@@ -229,14 +230,9 @@ class DFlashModel(DraftVocab, nnx.Module):
     With `final_tap_normed`, taps of the target's last layer go through the target's final
     norm first (so `target` is needed when the taps include that layer).
     """
-    last = self.target_cfg.num_layers - 1
-    normed = [j for j, i in enumerate(self.cfg.target_layer_ids) if i == last]
-    if self.cfg.final_tap_normed and normed:
-      if target is None:
-        raise ValueError(f'dflash tap of the last target layer ({last}) is read after the '
-                         'final norm: pass the target to fuse()')
-      idx = jnp.asarray(normed)
-      taps_BTND = taps_BTND.at[:, :, idx].set(target.norm(taps_BTND[:, :, idx]))
+    if self.cfg.final_tap_normed:
+      taps_BTND = final_normed_taps(taps_BTND, self.cfg.target_layer_ids,
+                                    self.target_cfg.num_layers, target, 'dflash')
     b, t, n, d = taps_BTND.shape
     x = taps_BTND.reshape(b, t, n * d).astype(self.target_cfg.dtype)
     return self.hidden_norm(self.fc(x))

@@ -115,15 +115,21 @@ def check_exportable(drafter, form: str) -> None:
                      f'norm; {form} reads it after')
 
 
-def detect(path) -> str:
-  """'zlab', 'speculators' or 'dspec' for a drafter directory."""
+def read_config(path) -> Optional[dict]:
+  """The `config.json` of a drafter directory, or None when it has none (a dspec
+  checkpoint); FileNotFoundError when the directory does not exist."""
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'{path}: no such drafter directory')
   config_path = os.path.join(path, 'config.json')
-  if not os.path.exists(config_path):
+  return _read_json(config_path) if os.path.exists(config_path) else None
+
+
+def detect(path) -> str:
+  """'zlab', 'speculators' or 'dspec' for a drafter directory."""
+  config = read_config(path)
+  if config is None:
     return 'dspec'
-  config = _read_json(config_path)
   if 'speculators_model_type' in config:
     return 'speculators'
   return 'zlab'

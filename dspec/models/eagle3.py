@@ -36,6 +36,7 @@ from dspec.models.config import DictConfig, TransformerConfig
 from dspec.models.draft_vocab import DraftVocab
 from dspec.models.layers import (MLP, Attention, DecoderLayer, RMSNorm, attend,
                                  rope_tables)
+from dspec.models.transformer import final_normed_taps
 
 CHECKPOINT_KIND = 'eagle3'
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -164,14 +165,9 @@ class Eagle3Model(DraftVocab, nnx.Module):
 
   def fuse(self, taps_BTND, target=None):
     """Tapped target features [B, T, n, H] -> g [B, T, H]."""
-    last = self.target_cfg.num_layers - 1
-    normed = [j for j, i in enumerate(self.cfg.target_layer_ids) if i == last]
-    if self.cfg.final_tap_normed and normed:
-      if target is None:
-        raise ValueError(f'eagle3 tap of the last target layer ({last}) is read after the '
-                         'final norm: pass the target to fuse()')
-      idx = jnp.asarray(normed)
-      taps_BTND = taps_BTND.at[:, :, idx].set(target.norm(taps_BTND[:, :, idx]))
+    if self.cfg.final_tap_normed:
+      taps_BTND = final_normed_taps(taps_BTND, self.cfg.target_layer_ids,
+                                    self.target_cfg.num_layers, target, 'eagle3')
     taps_BTND = taps_BTND.astype(self.target_cfg.dtype)
     if self.cfg.fc_norm:
       taps_BTND = jnp.stack([norm(taps_BTND[:, :, j]) for j, norm in

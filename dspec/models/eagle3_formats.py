@@ -34,7 +34,8 @@ from dspec.files import write_atomic, write_json_atomic
 from dspec.hf_import import _open_safetensors, _tensor_files
 from dspec.models.config import TransformerConfig
 from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
-                                          _verifier_depth, layer_rope_theta, read_tensor)
+                                          _verifier_depth, layer_rope_theta, read_config,
+                                          read_tensor)
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  load_dspec_eagle3)
 
@@ -45,13 +46,10 @@ _NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output
 
 def detect(path) -> str:
   """'dspec', 'speculators' or 'legacy' for an EAGLE-3 directory."""
-  path = os.fspath(path)
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f'{path}: no such drafter directory')
-  config_path = os.path.join(path, 'config.json')
-  if not os.path.exists(config_path):
+  config = read_config(path)
+  if config is None:
     return 'dspec'
-  return 'speculators' if 'speculators_model_type' in _read_json(config_path) else 'legacy'
+  return 'speculators' if 'speculators_model_type' in config else 'legacy'
 
 
 def load(path, *, target_cfg: Optional[TransformerConfig] = None,

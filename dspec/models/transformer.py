@@ -27,6 +27,21 @@ class TargetOutput(NamedTuple):
   cache: Optional[KVCache]
 
 
+def final_normed_taps(taps_BTND, layer_ids, num_target_layers: int, target, kind: str):
+  """`taps_BTND` with the taps of the target's last layer passed through its final norm
+  (HF's `hidden_states[L]`, as z-lab and speculators read them); ValueError when such a tap
+  exists and `target` is None."""
+  last = num_target_layers - 1
+  normed = [j for j, i in enumerate(layer_ids) if i == last]
+  if not normed:
+    return taps_BTND
+  if target is None:
+    raise ValueError(f'{kind} tap of the last target layer ({last}) is read after the '
+                     'final norm: pass the target to fuse()')
+  idx = jnp.asarray(normed)
+  return taps_BTND.at[:, :, idx].set(target.norm(taps_BTND[:, :, idx]))
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM. Parameter names follow HF so import is a rename-free mapping."""
 
