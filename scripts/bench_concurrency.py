@@ -1,21 +1,30 @@
-"""Throughput and speedup vs concurrency: AR, a drafter at fixed γ, and the γ controller.
+"""Throughput and speedup vs concurrency: AR, drafters at fixed γ, and the γ controller.
 
   python scripts/bench_concurrency.py --config=configs/tiny.py --out_dir=runs/bench_conc
   python scripts/bench_concurrency.py --config=configs/demo.py --out_dir=runs/bench_conc \
-      --concurrency=1,2,4,8,16,32,64 --gammas=3,7 --tiers=0,1,3,7,15
+      --drafter=ngram,mtp,dflash --concurrency=1,2,4,8,16,32,64 --gammas=3,7
   ... --drafter=oracle --oracle_acceptance=0.3    # a synthetic low-acceptance drafter
+  ... --config.temperature=1.0 --config.top_p=0.95  # sampled (lossless not checked)
 
 Every concurrency B decodes the first B prompts of --prompt_set (cycled) as one static
-batch, greedy, `max_new_tokens` each, with AR, the drafter (`ngram`, or `oracle`: the AR
-output corrupted to a fixed conditional acceptance) at each fixed γ (--gammas) and the
-load-aware controller over --tiers (`dspec/decoding/controller.py`; its step costs are
-profiled during the warm-up run, or read from --cost_table). Times are medians of
-`timing_repeats` rounds after a warm-up (compile and profiling excluded), the methods
-interleaved within each round. Writes
-concurrency.json (rows), concurrency.md (table + goal checks) and concurrency.png.
-Goals: controller ≥ 0.98× AR at every B; at B=1 within 5% of the best fixed γ.
+batch, `max_new_tokens` each, with AR and, for every drafter of --drafter (any registered
+one, built from the decode config: `drafters.<name>`, e.g. the checkpoint path of a learned
+drafter), that drafter at each fixed γ of --gammas (built with `drafters.<name>.num_draft`
+= γ; a γ the drafter refuses, e.g. beyond a learned drafter's trained block, is skipped with
+a note) and at its configured num_draft under the load-aware controller, whose tiers are
+--tiers capped at that num_draft (as `runner.speculative_engine` builds it;
+`dspec/decoding/controller.py`; step costs profiled during the warm-up run, or read from
+--cost_table). Host-side drafters (suffix) run the host loop; their controller row is the
+host loop with its AR fallback (as `runner.decode`). All drafters share one AR baseline per
+B. Times are medians of `timing_repeats` rounds after a warm-up (compile and profiling
+excluded), every method interleaved within each round. Speedup = tokens/s over AR's tokens/s
+(at T = 0 outputs equal AR's, so this is the decode-time ratio). `lossless` (greedy output ==
+AR) is checked at T = 0 and null at T > 0. Writes concurrency.json (rows), concurrency.md
+(table + goal checks per drafter) and concurrency.png.
+Goals, per drafter: controller ≥ 0.98× AR at every B; at B=1 within 5% of the best fixed γ.
 """
 
+import copy
 import json
 import os
 import statistics
@@ -33,19 +42,60 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py', 'Decode c
 _OUT = flags.DEFINE_string('out_dir', 'runs/bench_concurrency', 'Output directory.')
 _CONC = flags.DEFINE_list('concurrency', ['1', '2', '4', '8', '16', '32', '64'],
                           'Batch sizes (concurrent requests).')
-_GAMMAS = flags.DEFINE_list('gammas', ['3', '7'], 'Fixed n-gram draft lengths.')
-_TIERS = flags.DEFINE_list('tiers', ['0', '1', '3', '7', '15'], 'Controller tiers.')
+_DRAFTERS = flags.DEFINE_list('drafter', ['ngram'], 'Drafters (registry names), e.g. '
+                              'ngram,mtp,dflash; each is built from drafters.<name>.')
+_GAMMAS = flags.DEFINE_list('gammas', ['3', '7'], 'Fixed draft lengths γ (rows a drafter '
+                            'refuses are skipped).')
+_TIERS = flags.DEFINE_list('tiers', ['0', '1', '3', '7', '15'],
+                           "Controller tiers, capped at each drafter's num_draft.")
 _PROMPT_SET = flags.DEFINE_string('prompt_set', 'humaneval', 'Prompt set (corpus.py).')
 _MAX_PROMPT = flags.DEFINE_integer('max_prompt_tokens', 64, 'Prompts cut to their last N.')
-_DRAFTER = flags.DEFINE_enum('drafter', 'ngram', ['ngram', 'oracle'], 'Drafter.')
-_ORACLE_ACC = flags.DEFINE_float('oracle_acceptance', 0.3, 'Oracle conditional acceptance.')
+_ORACLE_ACC = flags.DEFINE_list('oracle_acceptance', None, 'Oracle conditional acceptance '
+                                'per position (sets drafters.oracle.acceptance).')
 _OBJECTIVE = flags.DEFINE_enum(
     'objective', 'makespan', ['makespan', 'throughput'],
     "Controller objective. Every row here is one static batch, whose throughput is total "
     "tokens / time until its last row ends, so 'makespan' is the matching objective; "
     "'throughput' (committed tokens/s now) is the one for continuous batching.")
 _COSTS = flags.DEFINE_string('cost_table', None, 'Step-cost JSON to load (if it exists) '
-                             'and to save the profiled costs to.')
+                             "and to save the profiled costs to; '{drafter}' in the path is "
+                             'replaced by the drafter name (needed with several drafters).')
+
+
+def _ints(name: str, values, low: int) -> list:
+  try:
+    out = [int(v) for v in values]
+  except ValueError:
+    raise cli.UserError(f'--{name} takes integers, got {",".join(values)}') from None
+  if not out or min(out) < low:
+    raise cli.UserError(f'--{name} needs integers >= {low}, got {",".join(values)}')
+  return out
+
+
+def _check_flags():
+  """(drafter names, concurrencies, fixed γs, tiers) or UserError (one line)."""
+  from dspec.decoding.drafters import registry
+  names = list(dict.fromkeys(_DRAFTERS.value))
+  known = [k for k in registry.known() if k != 'none']
+  for name in names:
+    if name not in known:
+      raise cli.UserError(f'unknown drafter {name!r}; known: {", ".join(known)}')
+  if not names:
+    raise cli.UserError('--drafter is empty')
+  conc = _ints('concurrency', _CONC.value, 1)
+  if _COSTS.value and len(names) > 1 and '{drafter}' not in _COSTS.value:
+    raise cli.UserError("--cost_table with several drafters needs '{drafter}' in the path")
+  return (names, sorted(set(conc)), sorted(set(_ints('gammas', _GAMMAS.value, 1))),
+          _ints('tiers', _TIERS.value, 0))
+
+
+def _drafter_config(cfg, name: str, num_draft=None):
+  """A copy of `cfg` building drafter `name` (with `num_draft` when given)."""
+  c = copy.deepcopy(cfg)
+  c.drafter = name
+  if num_draft is not None:
+    c.drafters[name].num_draft = num_draft
+  return c
 
 
 def _prompts(cfg, tokenizer, n: int) -> list:
@@ -63,8 +113,9 @@ def _plot(rows, path):
   for method in dict.fromkeys(r['method'] for r in rows):
     pts = [r for r in rows if r['method'] == method]
     xs = [r['concurrency'] for r in pts]
-    ax_t.plot(xs, [r['tokens_per_s'] for r in pts], marker='o', label=method)
-    ax_s.plot(xs, [r['speedup'] for r in pts], marker='o', label=method)
+    style = ':' if pts[0]['verify_length'] == 'fixed' and method != 'ar' else '-'
+    ax_t.plot(xs, [r['tokens_per_s'] for r in pts], marker='o', ls=style, label=method)
+    ax_s.plot(xs, [r['speedup'] for r in pts], marker='o', ls=style, label=method)
   for ax, label in ((ax_t, 'throughput (tokens/s)'), (ax_s, 'speedup vs AR')):
     ax.set_xscale('log', base=2)
     ax.set_xlabel('concurrency (batch size)')
@@ -72,12 +123,32 @@ def _plot(rows, path):
     ax.grid(alpha=0.3)
   ax_s.axhline(1.0, color='k', lw=0.8)
   ax_t.set_yscale('log')
-  ax_s.legend(fontsize=8)
+  ax_s.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120, format='png')
 
 
-def _markdown(rows, goals) -> str:
+def _goals(rows, drafters) -> dict:
+  """Per drafter: controller / AR at every B (minimum) and controller / best fixed γ (or
+  AR) at the smallest B."""
+  by = {(r['method'], r['concurrency']): r for r in rows}
+  conc = sorted({r['concurrency'] for r in rows})
+  b1, goals = conc[0], {}
+  for name in drafters:
+    auto = f'{name} controller'
+    fixed = [r['method'] for r in rows if r['drafter'] == name and r['concurrency'] == b1
+             and r['verify_length'] == 'fixed']
+    g = {'controller_vs_ar_min': min(by[auto, b]['speedup'] for b in conc),
+         'smallest_concurrency': b1,
+         'controller_vs_best_fixed_b1': by[auto, b1]['tokens_per_s'] / max(
+             by[m, b1]['tokens_per_s'] for m in fixed + ['ar'])}
+    g['controller_vs_ar_ok'] = g['controller_vs_ar_min'] >= 0.98
+    g['controller_vs_best_fixed_b1_ok'] = g['controller_vs_best_fixed_b1'] >= 0.95
+    goals[name] = g
+  return goals
+
+
+def _markdown(rows, goals, skipped) -> str:
   methods = list(dict.fromkeys(r['method'] for r in rows))
   conc = sorted({r['concurrency'] for r in rows})
   cell = {(r['method'], r['concurrency']): r for r in rows}
@@ -87,12 +158,18 @@ def _markdown(rows, goals) -> str:
     lines.append(f'| {m} | ' + ' | '.join(
         f"{cell[m, b]['tokens_per_s']:.0f} tok/s ({cell[m, b]['speedup']:.2f}×)"
         for b in conc) + ' |')
-  lines += ['', f"controller / AR, minimum over B: {goals['controller_vs_ar_min']:.3f} "
-            f"(goal ≥ 0.98: {'met' if goals['controller_vs_ar_ok'] else 'NOT met'})",
-            f"controller / best fixed γ at B=1: {goals['controller_vs_best_b1']:.3f} "
-            f"(goal ≥ 0.95: {'met' if goals['controller_vs_best_b1_ok'] else 'NOT met'})",
-            'lossless (greedy output == AR) for every row: '
-            f"{all(r['lossless'] for r in rows)}"]
+  lines.append('')
+  for name, g in goals.items():
+    lines += [f"{name}: controller / AR, minimum over B: {g['controller_vs_ar_min']:.3f} "
+              f"(goal ≥ 0.98: {'met' if g['controller_vs_ar_ok'] else 'NOT met'}); "
+              f"controller / best fixed γ at B={g['smallest_concurrency']}: "
+              f"{g['controller_vs_best_fixed_b1']:.3f} "
+              f"(goal ≥ 0.95: {'met' if g['controller_vs_best_fixed_b1_ok'] else 'NOT met'})"]
+  for method, reason in skipped.items():
+    lines.append(f'skipped {method}: {reason}')
+  checked = [r['lossless'] for r in rows if r['lossless'] is not None]
+  lines.append('lossless (greedy output == AR) for every row: '
+               f'{all(checked)}' if checked else 'lossless: not checked at T > 0')
   return '\n'.join(lines) + '\n'
 
 
@@ -102,97 +179,109 @@ def main(argv):
   import numpy as np
   from flax import nnx
   from dspec import files, loading
+  from dspec.decoding import drafter as drafter_lib
   from dspec.decoding import runner
-  from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
   from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
-  from dspec.decoding.drafters.ngram import NgramDrafter
-  from dspec.decoding.drafters.oracle import OracleDrafter
+  from dspec.decoding.drafters import registry
   from dspec.decoding.engine import SpeculativeEngine
+  from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
+  from dspec.metrics import acceptance_metrics
 
+  names, concurrency, gammas, tier_flag = _check_flags()
   cfg = _CONFIG.value
+  if _ORACLE_ACC.value:
+    cfg.drafters.oracle.acceptance = [float(a) for a in _ORACLE_ACC.value]
   settings = runner.Settings.from_config(cfg)
   spec = settings.sampling()
-  if not spec.greedy:
-    raise cli.UserError('bench_concurrency compares greedy outputs: use temperature=0')
   target, tokenizer, max_seq_len = loading.build_target(cfg.model)
   graphdef, params = nnx.split(target)
   stop_ids = tuple(tokenizer.stop_ids)
-  ngram = cfg.drafters.ngram
+  engine = lambda d: SpeculativeEngine(graphdef, drafter=d, sampling=spec,
+                                       stop_ids=stop_ids)
 
-  def drafter(g: int):
-    if _DRAFTER.value == 'oracle':
-      return OracleDrafter(num_draft=g, acceptance=(_ORACLE_ACC.value,))
-    return NgramDrafter(num_draft=g, min_n=ngram.min_n, max_n=ngram.max_n)
-
-  tiers = tuple(int(g) for g in _TIERS.value)
-  costs = CostTable.load(_COSTS.value) if _COSTS.value and os.path.exists(
-      _COSTS.value) else CostTable()
-  controller = VerifyLengthController(
-      graphdef, drafter(max(tiers)), sampling=spec, stop_ids=stop_ids, cost_table=costs,
-      config=ControllerConfig(tiers=tiers, objective=_OBJECTIVE.value))
-  methods = {'ar': SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)}
-  for g in _GAMMAS.value:
-    methods[f'{_DRAFTER.value} γ={g}'] = SpeculativeEngine(
-        graphdef, drafter=drafter(int(g)), sampling=spec, stop_ids=stop_ids)
-  methods['controller'] = controller
+  # method -> (engine or controller, drafter params, host drafter, host fallback engine)
+  methods = {'ar': (engine(drafter_lib.NoDrafter()), None, None, None)}
+  info = {'ar': {'drafter': None, 'verify_length': 'fixed', 'num_draft': 0}}
+  controllers, skipped, tiers_of = {}, {}, {}
+  for name in names:
+    drafter, dparams = registry.build_drafter(_drafter_config(cfg, name), target)
+    host = isinstance(drafter, drafter_lib.HostProposing)
+    for g in gammas:
+      try:
+        fixed, fparams = registry.build_drafter(_drafter_config(cfg, name, g), target)
+      except ValueError as e:
+        skipped[f'{name} γ={g}'] = str(e)
+        print(f'skipping {name} γ={g}: {e}', flush=True)
+        continue
+      methods[f'{name} γ={g}'] = (engine(fixed), fparams, host, None)
+      info[f'{name} γ={g}'] = {'drafter': name, 'verify_length': 'fixed', 'num_draft': g}
+    gamma, auto = drafter.num_draft, f'{name} controller'
+    if host:   # the host loop, AR chunks while the drafter proposes nothing
+      e = engine(drafter)
+      methods[auto] = (e, dparams, True, e.with_drafter(drafter_lib.TruncatedDrafter(
+          drafter, 0)))
+    else:
+      tiers_of[name] = tuple(sorted({g for g in tier_flag if g < gamma} | {gamma, 0}))
+      path = _COSTS.value and _COSTS.value.replace('{drafter}', name)
+      costs = CostTable.load(path) if path and os.path.exists(path) else CostTable()
+      controllers[name] = (VerifyLengthController(
+          graphdef, drafter, sampling=spec, stop_ids=stop_ids, cost_table=costs,
+          config=ControllerConfig(tiers=tiers_of[name], objective=_OBJECTIVE.value)), path)
+      methods[auto] = (controllers[name][0], dparams, False, None)
+    info[auto] = {'drafter': name, 'verify_length': 'auto', 'num_draft': gamma}
 
   rows = []
-  for b in [int(c) for c in _CONC.value]:
+  for b in concurrency:
     prompt_BP, lens_B = pad_prompts(encode_prompts(
         _prompts(cfg, tokenizer, b), tokenizer, target.cfg.vocab_size, max_seq_len,
         cfg.max_new_tokens))
-    # Warm-up (compile; the controller profiles), then timed rounds with the methods
+    # A private suffix cache per method and B: no run drafts from its own earlier answers.
+    factories = {m: drafter_lib.host_drafter_factory(e.drafter, private=True)
+                 for m, (e, _, host, _) in methods.items() if host}
+    # Warm-up (compile; the controllers profile), then timed rounds with the methods
     # interleaved so that load drift on a shared machine hits them alike.
     states, times = {}, {}
     for r in range(cfg.timing_repeats + 1):
-      for name, engine in methods.items():
-        state, _, decode_s = runner.run_generation(engine, params, None, prompt_BP,
-                                                   lens_B, settings)
-        states[name] = state
-        if r:
-          times.setdefault(name, []).append(decode_s)
+      for m, (e, dparams, _, fallback) in methods.items():
+        state, _, decode_s = runner.run_generation(e, params, dparams, prompt_BP, lens_B,
+                                                   settings, factories.get(m), fallback)
+        states[m] = state
+        if r or not cfg.timing_repeats:   # no timed rounds: the warm-up's time counts
+          times.setdefault(m, []).append(decode_s)
     ar_ids = generated_ids(states['ar'])
-    for name in methods:
-      new_tokens = int(np.sum(np.asarray(states[name].num_tokens_B) - lens_B))
-      decode_s = statistics.median(times[name])
-      row = {'method': name, 'concurrency': b, 'tokens_per_s': new_tokens / decode_s,
+    block = []
+    for m, (e, *_rest) in methods.items():
+      new_tokens = int(np.sum(np.asarray(states[m].num_tokens_B) - lens_B))
+      decode_s = statistics.median(times[m])
+      row = {'method': m, 'concurrency': b, **info[m], 'tokens_per_s': new_tokens / decode_s,
              'decode_s': decode_s, 'new_tokens': new_tokens,
-             'lossless': generated_ids(states[name]) == ar_ids}
-      if name == 'controller':
-        row['tier_usage'] = {str(g): round(f, 3) for g, f in controller.tier_usage().items()}
-        row['step_costs_ms'] = {str(g): round(1e3 * controller.costs[b, g], 3)
-                                for g in controller.tiers}
-      rows.append(row)
+             'tau': acceptance_metrics(states[m].stats)['tau'],
+             'lossless': generated_ids(states[m]) == ar_ids if spec.greedy else None}
+      if isinstance(e, VerifyLengthController):
+        row['tier_usage'] = {str(g): round(f, 3) for g, f in e.tier_usage().items()}
+        row['step_costs_ms'] = {str(g): round(1e3 * e.costs[b, g], 3) for g in e.tiers}
+      block.append(row)
+    for row in block:
+      row['speedup'] = row['tokens_per_s'] / block[0]['tokens_per_s']
       print(json.dumps(row), flush=True)
-    ar_s = next(r['decode_s'] for r in rows if r['concurrency'] == b and r['method'] == 'ar')
-    for r in rows:
-      if r['concurrency'] == b:
-        r['speedup'] = ar_s / r['decode_s']
+    rows += block
     jax.clear_caches()
 
-  by = {(r['method'], r['concurrency']): r for r in rows}
-  conc = sorted({r['concurrency'] for r in rows})
-  fixed = [m for m in methods if m.startswith(_DRAFTER.value)]
-  b1 = conc[0]
-  goals = {
-      'controller_vs_ar_min': min(by['controller', b]['speedup'] for b in conc),
-      'controller_vs_best_b1': by['controller', b1]['tokens_per_s'] / max(
-          by[m, b1]['tokens_per_s'] for m in fixed + ['ar']),
-  }
-  goals['controller_vs_ar_ok'] = goals['controller_vs_ar_min'] >= 0.98
-  goals['controller_vs_best_b1_ok'] = goals['controller_vs_best_b1'] >= 0.95
-  out = {'rows': rows, 'goals': goals, 'device': str(jax.devices()[0]),
-         'drafter': _DRAFTER.value, 'objective': _OBJECTIVE.value,
-         'max_new_tokens': cfg.max_new_tokens,
-         'tiers': list(tiers), 'model': target.cfg.to_dict()}
+  goals = _goals(rows, names)
+  out = {'rows': rows, 'goals': goals, 'skipped': skipped, 'device': str(jax.devices()[0]),
+         'drafters': names, 'objective': _OBJECTIVE.value, 'tiers': tiers_of,
+         'max_new_tokens': cfg.max_new_tokens, 'temperature': settings.temperature,
+         'top_p': settings.top_p, 'timing_repeats': cfg.timing_repeats,
+         'model': target.cfg.to_dict()}
   files.write_json_atomic(os.path.join(_OUT.value, 'concurrency.json'), out)
-
-  files.write_text_atomic(os.path.join(_OUT.value, 'concurrency.md'), _markdown(rows, goals))
+  text = _markdown(rows, goals, skipped)
+  files.write_text_atomic(os.path.join(_OUT.value, 'concurrency.md'), text)
   files.write_atomic(os.path.join(_OUT.value, 'concurrency.png'),
                      lambda tmp: _plot(rows, tmp))
-  if _COSTS.value:
-    controller.costs.save(_COSTS.value)
-  print(_markdown(rows, goals))
+  for controller, path in controllers.values():
+    if path:
+      controller.costs.save(path)
+  print(text)
 
 
 if __name__ == '__main__':
