@@ -108,6 +108,9 @@ def drafter_training(cfg, task: str, data_path: str, steps: int, minutes: float)
   t.weight_decay = 0.0
   t.eval_every = 250
   t.eval_windows = 64
+  # Resumable on a fresh machine: commit <workdir>/export (train_step in its metadata),
+  # then rerun with --config.training.init_from=<it> --config.training.continue_from_init=True.
+  t.export_every = 250
   return t
 
 
@@ -135,7 +138,8 @@ def training_config(task: str) -> ml_collections.ConfigDict:
       'max_minutes': 0.0,       # 0 = no wall-clock cap; else stop, checkpoint and export
       'storage_dtype': 'float32',
       'heldout_fraction': 0.02,
-      'init_from': '',          # target / mtp_joint: start the target from this checkpoint
+      'init_from': '',          # target / mtp_joint: the target to start from; drafter
+                                # tasks: a drafter export to start from (same kind, shapes)
       'continue_from_init': False,  # no workdir checkpoint: warm restart at init's step
       'export_every': 0,        # > 0: also export the model to <workdir>/export this often
       'corpus_eval': False,     # mtp_posthoc: also evaluate on held-out corpus windows

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dspec import config_checks, files
+from dspec import checkpoint, config_checks, files
+from dspec.cli import UserError
 from dspec.training import trainer
+
+# The checkpoint kind each drafter task trains (and exports), for `training.init_from`.
+DRAFTER_KINDS = {'dflash': 'dflash', 'bd3lm': 'dflash', 'dflash2': 'dflash2',
+                 'dspark': 'dspark', 'eagle3': 'eagle3', 'mtp_posthoc': 'mtp'}
 
 
 def _builders():
@@ -12,6 +17,21 @@ def _builders():
           'dflash2': dflash_task.build_task, 'bd3lm': dflash_task.build_task,
           'dspark': dspark_task.build_task, 'eagle3': eagle3_task.build_task,
           'mtp_joint': mtp_task.build_joint_task, 'mtp_posthoc': mtp_task.build_posthoc_task}
+
+
+def warm_start_drafter(task: trainer.TrainTask, tcfg) -> None:
+  """Drafter tasks with `training.init_from`: the drafter starts from that export (a dspec
+  checkpoint of the task's kind and shapes, e.g. a committed `<workdir>/export`); with
+  `continue_from_init` the trainer also continues at its step. Target tasks load their
+  own `init_from` (the target to start from)."""
+  path, kind = tcfg.get('init_from'), DRAFTER_KINDS.get(tcfg.task)
+  if not path or kind is None:
+    return
+  try:
+    checkpoint.load_model_state(path, task.model, kind)
+  except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
+    raise UserError(f'training.init_from={path}: cannot start the {tcfg.task} drafter from '
+                    f'it: {e}') from e
 
 
 def run_training(cfg, workdir: str) -> dict:
@@ -23,4 +43,5 @@ def run_training(cfg, workdir: str) -> dict:
   config_checks.check_training_config(cfg.training)
   with files.directory_lock(workdir, 'trainer'):
     task = builders[cfg.training.task](cfg, workdir)
+    warm_start_drafter(task, cfg.training)
     return trainer.train(task, cfg.training, workdir)

@@ -1,4 +1,4 @@
-"""`training.init_from` starts target (and joint MTP) training from a saved target."""
+"""`training.init_from` starts target, joint MTP and drafter training from a saved model."""
 
 
 import jax
@@ -29,3 +29,28 @@ def test_init_from_loads_the_saved_target_and_checks_its_shape(tmp_path):
                         config=other.to_dict(), force=True)
   with pytest.raises(ValueError, match='another shape'):
     target_lm.build_task(cfg, str(tmp_path / 'run'))
+
+
+def test_drafter_tasks_warm_start_from_an_export_of_their_kind(tmp_path):
+  from conftest import TINY
+  from dspec.cli import UserError
+  from dspec.models.dflash import DFlashConfig, DFlashModel, save_dflash
+  from dspec.training import tasks, trainer
+
+  dcfg = DFlashConfig(num_layers=1, block_size=4, target_layer_ids=(1,), mask_token_id=1)
+  saved = DFlashModel(dcfg, TINY, rngs=nnx.Rngs(3))
+  export = str(tmp_path / 'export')
+  save_dflash(export, saved, extra={'train_step': 7})
+  task = trainer.TrainTask(model=DFlashModel(dcfg, TINY, rngs=nnx.Rngs(4)), frozen=None,
+                           loss_fn=None, get_batch=None)
+  tcfg = demo_target.get_config('quick').training
+  tcfg.task, tcfg.init_from = 'dflash', export
+  tasks.warm_start_drafter(task, tcfg)
+  for a, b in zip(jax.tree.leaves(nnx.state(task.model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(saved, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+  assert checkpoint.read_train_step(export) == 7
+
+  tcfg.task = 'eagle3'   # another kind: one clear error naming the field and both kinds
+  with pytest.raises(UserError, match=r"training.init_from=.*'dflash'.*'eagle3'"):
+    tasks.warm_start_drafter(task, tcfg)
