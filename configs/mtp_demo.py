@@ -8,11 +8,16 @@ Joint pretraining (a fresh demo-shaped target + MTP on the target corpora, λ 0.
   python scripts/train.py --config=configs/mtp_demo.py:joint --workdir=runs/mtp_joint
   python scripts/decode.py --config=configs/mtp_demo.py:joint --config.compare_ar=True
 Arguments: depths=D (1..4, default 3), beta (per-depth loss decay, default 0.6 post-hoc,
-1.0 joint), steps, minutes (wall-clock cap), data=DIR (distilled data), joint, tiny (random tiny target and few steps:
+1.0 joint), steps, minutes (wall-clock cap), data=DIR (distilled data), vocab=V (post-hoc:
+a reduced draft vocabulary of the V most target-written tokens, FastMTP's vocabulary
+compression; 0 = full), joint, tiny (random tiny target and few steps:
 for tests; pass --config.data.path / --config.drafters.mtp.path). Architecture knobs
 (the ablation): --config.mtp.{kind,concat_order,h0_source,chain_hidden,
 zero_pos0_embedding,share_final_norm,shared_depth}. Decode: drafters.mtp.num_draft
 (0 = all trained depths), drafters.mtp.sample_proposals (T > 0: sampled drafts with q).
+drafters.mtp.path also takes a speculators `mtp` directory or a HF checkpoint with
+DeepSeek-V3-layout MTP layers (num_nextn_predict_layers; dense blocks only), see
+dspec/models/mtp_formats.py.
 Expected: training logs loss_d{k} and agree_d{k} (top-1 agreement with the target, eval/
 on held-out data) and exports <workdir>/final (joint: final/target and final/mtp);
 decoding prints lossless=True and τ.
@@ -25,7 +30,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, joint=False, depths=3, beta=-1.0, steps=3000,
-                          minutes=0.0, data='runs/distill_demo8k')
+                          minutes=0.0, data='runs/distill_demo8k', vocab=0)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'runs/mtp_joint/final/target' if args.joint else 'demo/target'
@@ -43,6 +48,7 @@ def get_config(arg=None):
       'zero_pos0_embedding': False,   # vLLM zeroes the token embedding at position 0
       'share_final_norm': False,      # True: the target's final norm instead of per-depth
       'shared_depth': False,          # one depth reused recursively (FastMTP)
+      'draft_vocab_size': args.vocab,  # > 0: score only the most target-written tokens
   })
   t = common.drafter_training(cfg, 'mtp_joint' if args.joint else 'mtp_posthoc',
                               args.data, args.steps, args.minutes)

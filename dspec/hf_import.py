@@ -4,6 +4,8 @@ dspec parameter names mirror HF, so the mapping is mechanical (`hf_tensor_name`)
 `layers.3.mlp.up_proj.kernel` <-> `model.layers.3.mlp.up_proj.weight` (transposed: nnx
 kernels are [in, out], torch weights [out, in]); `embed_tokens` <-> `model.embed_tokens.weight`;
 `lm_head` [D, V] <-> `lm_head.weight` [V, D] (absent when embeddings are tied).
+MTP layers `model.layers.{L..L+n-1}.*` of a checkpoint with `num_nextn_predict_layers` = n
+(DeepSeek-V3 layout) are not the target's: the MTP drafter reads them (`mtp_formats`).
 """
 
 from __future__ import annotations
@@ -183,14 +185,19 @@ def load_hf_model(hf_dir, dtype: str = 'float32') -> tuple[Transformer, Transfor
   Any missing, unexpected or mis-shaped tensor raises ValueError naming it.
   """
   hf_dir = os.fspath(hf_dir)
-  cfg = config_from_hf(read_hf_config(hf_dir), dtype)
+  hf_config = read_hf_config(hf_dir)
+  cfg = config_from_hf(hf_config, dtype)
+  nextn = hf_config.get('num_nextn_predict_layers')
+  mtp_layers = tuple(f'model.layers.{cfg.num_layers + k}.'
+                     for k in range(nextn if isinstance(nextn, int) else 0))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   abstract = nnx.to_pure_dict(state)
   flat = leaf_paths(abstract)
   files = _tensor_files(hf_dir)
   wanted = {hf_tensor_name(name)[0] for name in flat}
-  extra = sorted(n for n in files if n not in wanted and not _ignorable(n, cfg))
+  extra = sorted(n for n in files if n not in wanted and not _ignorable(n, cfg)
+                 and not n.startswith(mtp_layers))
   if extra:
     raise ValueError(f'{hf_dir}: unexpected tensor {extra[0]!r} '
                      f'({len(extra)} tensors the {cfg.num_layers}-layer config does not use)')

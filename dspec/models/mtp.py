@@ -9,18 +9,26 @@ hidden h^{k-1}_i (h^0 = the target's hidden at i):
 and hands h^k_i = FinalNorm_k(x^k_i) (chain_hidden='post_norm') or x^k_i ('pre_norm') to
 depth k+1. The parallel variant (Gloeckle et al.) runs head k = one block on h^0 alone
 (no token input, no chaining) and predicts the same t_{i+k+1}. Embedding and head are the
-target's, passed in at call time and never copied.
+target's, passed in at call time and never copied, unless an imported checkpoint ships its
+own per depth (`own_embedding` / `own_head`: DeepSeek-V3's `embed_tokens` and
+`shared_head.head` when they differ from the main model's, `mtp_formats`).
+
+A reduced draft vocabulary (`draft_vocab`, FastMTP / FR-Spec vocabulary compression) makes
+the head score only those token ids (the head's rows of them); drafts map back to target
+ids and q is placed into the full vocabulary by the drafter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Tuple
 
 import jax.numpy as jnp
 from flax import nnx
 
 from dspec import checkpoint
 from dspec.models.config import DictConfig, TransformerConfig
+from dspec.models.draft_vocab import DraftVocab
 from dspec.models.layers import DecoderLayer, RMSNorm, rope_tables
 
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -40,6 +48,9 @@ class MTPConfig(DictConfig):
   num_depths: D trained depths (1-4). h0_source: the target hidden fed to depth 1
   (post-final-norm, or the last layer's residual output). shared_depth: one depth module
   reused recursively for every depth (FastMTP); each depth still has its own KV cache.
+  draft_vocab: sorted target token ids the head scores (() = the whole vocabulary).
+  own_embedding / own_head: each depth module holds its own embedding [V, D] / head
+  [D, V] instead of borrowing the target's (imported checkpoints only).
   """
 
   num_depths: int = 1
@@ -50,8 +61,14 @@ class MTPConfig(DictConfig):
   zero_pos0_embedding: bool = False
   share_final_norm: bool = False
   shared_depth: bool = False
+  draft_vocab: Tuple[int, ...] = ()
+  own_embedding: bool = False
+  own_head: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, 'draft_vocab', tuple(int(i) for i in self.draft_vocab))
+    if list(self.draft_vocab) != sorted(set(self.draft_vocab)):
+      raise ValueError('mtp draft_vocab must be sorted distinct token ids')
     if not 1 <= self.num_depths <= 4:
       raise ValueError(f'mtp num_depths must be in 1..4, got {self.num_depths}')
     for name, allowed in _CHOICES.items():
@@ -59,6 +76,11 @@ class MTPConfig(DictConfig):
         raise ValueError(f'mtp {name} must be one of {allowed}, got {getattr(self, name)!r}')
     if self.kind == 'parallel' and self.shared_depth:
       raise ValueError('mtp shared_depth needs kind=chained (parallel heads do not recurse)')
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d['draft_vocab'] = list(d['draft_vocab'])
+    return d
 
   @property
   def chained(self) -> bool:
@@ -73,9 +95,9 @@ class MTPConfig(DictConfig):
     return (target_cfg.num_layers - 1,) if self.h0_source == 'pre_norm' else ()
 
 
-
 class MTPDepth(nnx.Module):
-  """One depth: input norms + projection (chained only), a decoder block, a final norm."""
+  """One depth: input norms + projection (chained only), a decoder block, a final norm
+  (and its own embedding / head when the config says so)."""
 
   def __init__(self, cfg: MTPConfig, tcfg: TransformerConfig, *, rngs: nnx.Rngs):
     d, pdt = tcfg.embed_dim, tcfg.param_dtype
@@ -87,16 +109,45 @@ class MTPDepth(nnx.Module):
     self.layer = DecoderLayer(tcfg, rngs=rngs)
     if not cfg.share_final_norm:
       self.final_norm = RMSNorm(d, eps=tcfg.norm_eps, param_dtype=pdt)
+    if cfg.own_embedding:
+      self.embed_tokens = nnx.Param(_INIT(rngs.params(), (tcfg.vocab_size, d), pdt))
+    if cfg.own_head:
+      self.head = nnx.Param(_INIT(rngs.params(), (d, tcfg.vocab_size), pdt))
 
 
-class MTP(nnx.Module):
-  """D MTP depths for a target of shape `target_cfg` (embedding and head borrowed)."""
+class MTP(DraftVocab, nnx.Module):
+  """D MTP depths for a target of shape `target_cfg` (embedding and head borrowed unless
+  `own_embedding` / `own_head`)."""
 
   def __init__(self, cfg: MTPConfig, target_cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    if cfg.draft_vocab and not 0 <= cfg.draft_vocab[0] <= cfg.draft_vocab[-1] < \
+        target_cfg.vocab_size:
+      raise ValueError(f'mtp draft_vocab ids must lie in [0, {target_cfg.vocab_size})')
     self.cfg = cfg
     self.target_cfg = target_cfg
     n = 1 if cfg.shared_depth else cfg.num_depths
     self.depths = nnx.List([MTPDepth(cfg, target_cfg, rngs=rngs) for _ in range(n)])
+
+  @property
+  def draft_vocab_size(self) -> int:
+    return len(self.cfg.draft_vocab) or self.target_cfg.vocab_size
+
+  def embed(self, target, k: int, tokens_BT):
+    """Token embeddings for depth k (the target's unless own_embedding)."""
+    if not self.cfg.own_embedding:
+      return target.embed(tokens_BT)
+    table_VD = self.depths[self.cfg.module_index(k)].embed_tokens[...]
+    return jnp.take(table_VD, tokens_BT, axis=0).astype(self.target_cfg.dtype)
+
+  def logits(self, target, k: int, hidden_BTD):
+    """Draft-vocabulary logits [B, T, V'] (fp32) of depth k's post-norm hidden."""
+    ids = jnp.asarray(self.cfg.draft_vocab, jnp.int32) if self.cfg.draft_vocab else None
+    if not self.cfg.own_head:
+      return target.logits(hidden_BTD, ids)
+    w_DV = self.depths[self.cfg.module_index(k)].head[...]
+    w_DV = w_DV if ids is None else jnp.take(w_DV, ids, axis=1)
+    return jnp.einsum('btd,dv->btv', hidden_BTD, w_DV.astype(hidden_BTD.dtype),
+                      preferred_element_type=jnp.float32)
 
   def h0(self, target_out):
     """Depth-1 hidden input from a TargetOutput (run with taps=cfg.taps(target_cfg))."""
@@ -108,7 +159,7 @@ class MTP(nnx.Module):
     """Raw (pre-final-norm) output x^k of depth k; `kv_fn` as in `DecoderLayer`."""
     m = self.depths[self.cfg.module_index(k)]
     if self.cfg.chained:
-      e = target.embed(tokens_BT)
+      e = self.embed(target, k, tokens_BT)
       if self.cfg.zero_pos0_embedding:
         e = jnp.where((positions_BT == 0)[..., None], jnp.zeros_like(e), e)
       e, h = m.enorm(e), m.hnorm(h_prev_BTD.astype(e.dtype))
@@ -164,8 +215,8 @@ def save_mtp(path, mtp: MTP, *, storage_dtype: str = 'float32', force: bool = Fa
                         storage_dtype=storage_dtype, extra=extra, force=force)
 
 
-def load_mtp(path) -> MTP:
-  """An MTP from a `kind='mtp'` checkpoint."""
+def load_dspec_mtp(path) -> MTP:
+  """An MTP from a `kind='mtp'` dspec checkpoint."""
   metadata = checkpoint.read_model_metadata(path, CHECKPOINT_KIND)
   try:
     cfg = MTPConfig.from_dict(metadata['config']['mtp'])
@@ -175,3 +226,11 @@ def load_mtp(path) -> MTP:
   mtp = nnx.eval_shape(lambda: MTP(cfg, target_cfg, rngs=nnx.Rngs(0)))
   checkpoint.load_model_state(path, mtp, CHECKPOINT_KIND)
   return mtp
+
+
+def load_mtp(path, *, target_cfg: TransformerConfig | None = None,
+             dtype: str = 'float32') -> MTP:
+  """An MTP from a dspec checkpoint, a speculators `mtp` directory or a HF checkpoint with
+  DeepSeek-V3-layout MTP layers (`num_nextn_predict_layers`); see `mtp_formats.load`."""
+  from dspec.models import mtp_formats
+  return mtp_formats.load(path, target_cfg=target_cfg, dtype=dtype)

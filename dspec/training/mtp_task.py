@@ -10,6 +10,12 @@
 Per-depth weights w_k = β^{k-1} / Σ_j β^{j-1} (`training.mtp_beta`; FastMTP uses 0.6).
 Depth k at position i reads t_{i+k} and predicts t_{i+k+1} (`MTP.__call__`).
 
+A reduced draft vocabulary (`mtp.draft_vocab_size` > 0, post-hoc only; FastMTP's
+vocabulary compression) is the `draft_vocab_size` tokens the target writes most often in
+the distilled data (`dflash_task.frequent_tokens`, as DFlash and EAGLE-3 choose theirs);
+the depths then score only those rows of the shared head, and CE covers the labels inside
+the subset.
+
 Logged per depth k: `loss_d{k}` and `agree_d{k}`, the top-1 agreement with the target:
 the fraction of supervised positions i where the depth-k argmax at i equals the target's
 own argmax for t_{i+k+1} given the true prefix t_0..t_{i+k}. On greedy self-distilled
@@ -19,6 +25,7 @@ acceptance conditional on the earlier drafts being accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -28,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
+from dspec.training.dflash_task import frequent_tokens
 from dspec.training.distill import split_distilled
 from dspec.training.losses import masked_mean, token_cross_entropy
 from dspec.training.trainer import TrainTask
@@ -56,7 +64,8 @@ def lambda_at(schedule, step: int, num_steps: int) -> float:
 
 
 def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
-  """Per-depth sums [D] of CE, agreement and supervised count.
+  """Per-depth sums [D] of CE, agreement and supervised count (ce_count: the supervised
+  labels inside the draft vocabulary, over which CE is summed).
 
   target_out: the target's forward over tokens_BS[:, :-1] (with logits and the MTP's taps);
   label_mask_BS: which tokens may serve as labels.
@@ -64,21 +73,24 @@ def mtp_sums(mtp: MTP, target, target_out, tokens_BS, label_mask_BS) -> dict:
   h0_BTD = mtp.h0(target_out)
   t = h0_BTD.shape[1]
   target_argmax_BT = jnp.argmax(target_out.logits_BTV, axis=-1)
-  ce, agree, count = [], [], []
+  ce, ce_count, agree, count = [], [], [], []
   leading_BT = jnp.ones((tokens_BS.shape[0], t), jnp.float32)   # depths 1..k all hit
   run_BT = jnp.zeros_like(leading_BT)
   for k, hidden_BTD in enumerate(mtp(target, h0_BTD, tokens_BS), start=1):
-    logits_BTV = target.logits(hidden_BTD)
+    logits_BTV = mtp.logits(target, k, hidden_BTD)
     w_BT = shifted(label_mask_BS, k + 1, t).astype(jnp.float32)
-    ce.append(jnp.sum(token_cross_entropy(logits_BTV, shifted(tokens_BS, k + 1, t)) * w_BT))
-    hit_BT = jnp.argmax(logits_BTV, axis=-1) == shifted(target_argmax_BT, k, t)
+    idx_BT = mtp.draft_index(shifted(tokens_BS, k + 1, t))
+    in_vocab_BT = w_BT * (idx_BT >= 0)
+    ce.append(jnp.sum(token_cross_entropy(logits_BTV, jnp.maximum(idx_BT, 0)) * in_vocab_BT))
+    ce_count.append(jnp.sum(in_vocab_BT))
+    hit_BT = mtp.token_ids(jnp.argmax(logits_BTV, axis=-1)) == shifted(target_argmax_BT, k, t)
     agree.append(jnp.sum(hit_BT * w_BT))
     count.append(jnp.sum(w_BT))
     leading_BT = leading_BT * hit_BT
     run_BT = run_BT + leading_BT
   # w_BT is now the deepest depth's mask: positions where every depth is supervised.
-  return {'ce': jnp.stack(ce), 'agree': jnp.stack(agree), 'count': jnp.stack(count),
-          'run': jnp.sum(run_BT * w_BT)}
+  return {'ce': jnp.stack(ce), 'ce_count': jnp.stack(ce_count), 'agree': jnp.stack(agree),
+          'count': jnp.stack(count), 'run': jnp.sum(run_BT * w_BT)}
 
 
 def depth_metrics(sums: dict) -> dict:
@@ -89,14 +101,15 @@ def depth_metrics(sums: dict) -> dict:
   """
   count = jnp.maximum(sums['count'], 1.0)
   out = {'tau_est': 1.0 + sums['run'] / count[-1]}
+  ce_count = jnp.maximum(sums['ce_count'], 1.0)
   for k in range(sums['ce'].shape[0]):
-    out[f'loss_d{k + 1}'] = sums['ce'][k] / count[k]
+    out[f'loss_d{k + 1}'] = sums['ce'][k] / ce_count[k]
     out[f'agree_d{k + 1}'] = sums['agree'][k] / count[k]
   return out
 
 
 def _depth_losses(sums: dict):
-  return sums['ce'] / jnp.maximum(sums['count'], 1.0)
+  return sums['ce'] / jnp.maximum(sums['ce_count'], 1.0)
 
 
 def joint_loss(model: JointModel, frozen, batch, key, *, weights):
@@ -164,7 +177,10 @@ def corpus_evaluator(cfg, workdir: str, vocab_size: int):
 
 
 def mtp_config(cfg) -> MTPConfig:
-  return MTPConfig.from_dict(dict(cfg.mtp.items()))
+  """The config's `mtp` section as an MTPConfig (draft_vocab_size is a training knob)."""
+  fields = dict(cfg.mtp.items())
+  fields.pop('draft_vocab_size', None)
+  return MTPConfig.from_dict(fields)
 
 
 # ------------------------------------------------------------------------------- tasks
@@ -174,6 +190,9 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
   """'mtp_joint': a fresh target (as `target_lm`) plus D MTP depths, trained together."""
   from dspec.training import target_lm
   tcfg = cfg.training
+  if cfg.mtp.get('draft_vocab_size'):
+    raise ValueError('mtp.draft_vocab_size needs training.task=mtp_posthoc (the draft '
+                     'vocabulary comes from distilled token counts)')
   base = target_lm.build_task(cfg, workdir)
   target = base.model
   model = JointModel(target, MTP(mtp_config(cfg), target.cfg,
@@ -203,11 +222,22 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
 
 
 def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
-                 heldout_fraction: float, name: str = 'distilled data') -> TrainTask:
-  """'mtp_posthoc' on `data` (`load_distilled` format) for the frozen `target`."""
+                 heldout_fraction: float, name: str = 'distilled data',
+                 draft_vocab_size: int = 0) -> TrainTask:
+  """'mtp_posthoc' on `data` (`load_distilled` format) for the frozen `target`; with
+  draft_vocab_size > 0 the depths score the most target-written tokens of the training
+  rows only."""
+  rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
+  vocab = target.cfg.vocab_size
+  if draft_vocab_size:
+    if not 0 < draft_vocab_size <= vocab:
+      raise ValueError(f'mtp.draft_vocab_size must be in [1, {vocab}] (or 0 for the full '
+                       f'vocabulary), got {draft_vocab_size}')
+    train = slice(0, rows.num_train)
+    mtp_cfg = dataclasses.replace(mtp_cfg, draft_vocab=frequent_tokens(
+        rows.tokens[train], rows.loss_mask[train], draft_vocab_size, vocab))
   mtp = MTP(mtp_cfg, target.cfg, rngs=nnx.Rngs(tcfg.seed))
   weights = depth_weights(mtp_cfg.num_depths, tcfg.mtp_beta)
-  rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
   evaluate = _evaluator(_chunks(rows.held_tokens, rows.held_mask, tcfg.batch_size))
 
   def get_batch(step: int) -> dict:
@@ -229,7 +259,8 @@ def build_posthoc_task(cfg, workdir: str) -> TrainTask:
   from dspec.training.distill import load_distilled
   target, _, _ = build_target(cfg.model)
   task = posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
-                      cfg.data.heldout_fraction, cfg.data.path)
+                      cfg.data.heldout_fraction, cfg.data.path,
+                      cfg.mtp.get('draft_vocab_size', 0))
   if cfg.training.get('corpus_eval'):
     on_corpus = corpus_evaluator(cfg, workdir, target.cfg.vocab_size)
     on_distilled = task.evaluate

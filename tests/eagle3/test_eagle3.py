@@ -3,8 +3,6 @@
 import copy
 import json
 import os
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, load_eagle3, save_eagle3)
 from dspec.models.transformer import TargetOutput
 from lossless_checks import check_engine_samples_match_target
+from speculators_import import speculators_module
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9]]
 NEW_TOKENS = 20
@@ -186,14 +185,8 @@ def test_sampled_lossless(small_vocab_model):
 
 
 def _speculators():
-  """speculators' EAGLE-3 definition (its training-data module, which needs the
-  training stack, is replaced by the one name the model imports from it)."""
-  pytest.importorskip('torch')
-  if 'speculators.train.data' not in sys.modules:
-    stub = types.ModuleType('speculators.train.data')
-    stub.BatchType = dict
-    sys.modules['speculators.train.data'] = stub
-  return pytest.importorskip('speculators.models.eagle3')
+  """speculators' EAGLE-3 definition."""
+  return speculators_module('models.eagle3')
 
 
 @pytest.mark.parametrize('fields', [dict(), dict(norm_before_fc=True, norm_output=True,

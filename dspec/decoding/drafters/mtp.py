@@ -23,6 +23,10 @@ at position n-2 on the committed tokens followed by the earlier drafts: training
 inference see the same causal context at every depth. Rollback = lengths/frontiers follow
 the committed count; nothing is copied. The parallel variant has no lag (head k reads h^0
 only): its depths share depth 1's window and each drafts from its own carry.
+
+With a reduced draft vocabulary each depth scores only `draft_vocab`; drafts are mapped
+back to target ids, and at T > 0 a sampled draft's q is placed into the full vocabulary
+(zero outside the subset), so rejection sampling stays exact.
 """
 
 from __future__ import annotations
@@ -148,12 +152,16 @@ class MTPDrafter(DrafterBase):
       x_prev = x
     return cache, jnp.stack(carries)
 
-  def _pick(self, logits_BV, ctx, key):
-    """(token, q or None) for one draft position."""
+  def _pick(self, mtp, logits_BV, ctx, key):
+    """(target token id, q over the target vocabulary or None) for one draft position."""
     if ctx.sampling.greedy or not self.sample_proposals:
-      return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+      return mtp.token_ids(jnp.argmax(logits_BV, axis=-1)), None
     q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
-    return sample_from_probs(key, q_BV), q_BV
+    token_B = mtp.token_ids(sample_from_probs(key, q_BV))
+    if self.config.draft_vocab:
+      full = jnp.zeros((q_BV.shape[0], self.target_cfg.vocab_size), q_BV.dtype)
+      q_BV = full.at[:, jnp.asarray(self.config.draft_vocab)].set(q_BV)
+    return token_B, q_BV
 
   # ------------------------------------------------------------------ protocol
 
@@ -189,7 +197,8 @@ class MTPDrafter(DrafterBase):
     return MTPState(cache.with_lengths(start_B + committed_B), carry)
 
   def draft(self, params, state, target, ctx, key):
-    """(draft tokens [B, G], depth logits at position n-2 [B, G, V], q [B, G, V] or None)."""
+    """(draft tokens [B, G], depth logits at position n-2 over the draft vocabulary
+    [B, G, V'], q [B, G, V] or None)."""
     mtp = nnx.merge(self.graphdef, params)
     n_B = ctx.num_tokens_B
     carry = state.carry_GBD
@@ -203,8 +212,8 @@ class MTPDrafter(DrafterBase):
         x = self._draft_pass(mtp, target, k, cache, carry[k - 2], x_prev,
                              jnp.stack(tokens, axis=1), n_B)
         x_last_BD, x_prev = x[:, -1], x
-      logits_BV = target.logits(mtp.final(target, k, x_last_BD[:, None]))[:, 0]
-      token_B, q_BV = self._pick(logits_BV, ctx, jax.random.fold_in(key, k))
+      logits_BV = mtp.logits(target, k, mtp.final(target, k, x_last_BD[:, None]))[:, 0]
+      token_B, q_BV = self._pick(mtp, logits_BV, ctx, jax.random.fold_in(key, k))
       logits.append(logits_BV)
       tokens.append(token_B)
       qs.append(q_BV)
@@ -244,7 +253,9 @@ class MTPDrafter(DrafterBase):
 
 
 def build(cfg, target):
-  """(MTPDrafter, params) from `cfg.drafters.mtp`; num_draft 0: every trained depth."""
+  """(MTPDrafter, params) from `cfg.drafters.mtp` (a dspec checkpoint, a speculators `mtp`
+  directory or a HF checkpoint with DeepSeek-V3-layout MTP layers); num_draft 0: every
+  trained depth."""
   c = cfg.drafters.mtp
-  return MTPDrafter.from_model(load_mtp(checkpoint_path(cfg, 'mtp')), c.num_draft,
-                               c.sample_proposals)
+  mtp = load_mtp(checkpoint_path(cfg, 'mtp'), target_cfg=target.cfg)
+  return MTPDrafter.from_model(mtp, c.num_draft, c.sample_proposals)
