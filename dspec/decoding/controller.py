@@ -39,7 +39,9 @@ bounds the cost of a wrong choice) to amortise the host round trip (at tier 0 wi
 drafts only after `shadow_warmup` samples, so the first evidence comes quickly). Drafters
 are rebuilt per tier with `drafter.with_num_draft(γ)`; when the rebuilt drafter's state
 differs from the largest tier's (MTP caches one layer per depth) the largest tier's
-drafter is used with its proposal truncated to γ (`TruncatedDrafter`).
+drafter is used with its proposal truncated to γ (`TruncatedDrafter`). A drafter with
+`set_verify_cost` (DSpark's per-row verify lengths) gets λ(B) = `CostTable.verify_cost`, the
+marginal cost of one more verified draft at this batch size, in its state.
 """
 
 from __future__ import annotations
@@ -123,6 +125,18 @@ class CostTable:
 
   def __getitem__(self, key) -> float:
     return self.costs[key]
+
+  def verify_cost(self, batch: int, tiers) -> float:
+    """λ(B) of cost(B, γ) ≈ c0·(1 + λ·γ): least squares over `tiers`, clipped at 0; tier 0
+    counts with the proposal's cost (every positive tier drafts), so c0 includes the draft
+    pass. The marginal cost of one more verified draft relative to the fixed cost: DSpark's
+    per-row verify-length rule (`drafters/dspark.py`)."""
+    gammas = np.array(sorted(tiers), np.float64)
+    costs = np.array([self[batch, int(g)] + (self.propose.get(batch, 0.0) if g == 0 else 0.0)
+                      for g in gammas])
+    slope, c0 = np.polyfit(gammas, costs, 1)
+    c0 = c0 if c0 > 0 else costs.min()
+    return max(float(slope / c0), 0.0)
 
   def save(self, path: str) -> None:
     rows = {}
@@ -352,6 +366,10 @@ class VerifyLengthController:
     b = state.tokens_BL.shape[0]
     if not self.costs.has(b, self.tiers):
       self.profile(target_params, drafter_params, state)
+    set_verify_cost = getattr(self.drafter, 'set_verify_cost', None)
+    if set_verify_cost is not None:   # load-aware verify lengths (DSpark): λ(B) of the table
+      state = state.replace(drafter_state=set_verify_cost(
+          state.drafter_state, self.costs.verify_cost(b, self.tiers)))
     shadow = self.costs.propose[b] <= cfg.shadow_budget * cfg.steps_per_decision * \
         self.costs[b, 0]
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)

@@ -18,6 +18,7 @@ from flax import nnx
 from conftest import TINY, generate
 from configs import dspark_demo
 from dspec import checkpoint
+from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.dspark import verify_lengths
 from dspec.decoding.engine import SpeculativeEngine
@@ -134,6 +135,62 @@ def test_verify_lengths_maximise_tokens_per_cost_under_a_budget():
   assert verify_lengths(s, limit, 5.0).tolist() == [0, 0, 0]
   # Budget 4 over the batch: the four best (row, slot) pairs, a prefix of every row.
   assert verify_lengths(s, limit, 0.2, verify_budget=4).tolist() == [2, 0, 2]
+
+
+def _table(batch, lam, c0=1e-3, propose=2e-4):
+  """A step-cost table cost(batch, γ) = c0·(1 + λ·γ) over tiers 0 and BLOCK (tier 0 without
+  the draft pass, which `propose` costs)."""
+  return CostTable({(batch, 0): c0 - propose, (batch, BLOCK): c0 * (1 + lam * BLOCK)},
+                   {batch: propose})
+
+
+def test_cost_table_fits_the_load_aware_verify_cost():
+  costs = {(8, g): 2e-3 * (1 + 0.4 * g) for g in (1, 3, 7)}
+  costs[8, 0] = 2e-3 - 5e-4
+  table = CostTable(costs, {8: 5e-4})
+  np.testing.assert_allclose(table.verify_cost(8, (0, 1, 3, 7)), 0.4, rtol=1e-6)
+  np.testing.assert_allclose(_table(2, 3.0).verify_cost(2, (0, BLOCK)), 3.0, rtol=1e-6)
+  assert CostTable({(1, 0): 2.0, (1, 3): 1.0}, {1: 0.0}).verify_cost(1, (0, 3)) == 0.0
+
+
+def test_load_aware_verify_cost_sets_the_verify_lengths_without_recompiling(toy):
+  """λ from a table where verify is nearly free: every row verifies its whole block; from
+  one where it is expensive: rows verify fewer. One compiled proposal serves both."""
+  drafter = toy['drafter']
+  engine = SpeculativeEngine(toy['graphdef'], drafter=drafter)
+  target, params, dparams = toy['target'], toy['params'], toy['dparams']
+  propose = jax.jit(lambda dp, st: drafter.propose(dp, st.drafter_state, target,
+                                                   engine.context(st), jax.random.key(0)))
+  prompt_BP, lens = pad_prompts([PROMPT, OTHER])
+  state = engine.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  assert float(state.drafter_state.verify_cost) == pytest.approx(drafter.verify_cost)
+  lengths = {}
+  for lam in (1e-4, 1.0):
+    lam_b = _table(2, lam).verify_cost(2, (0, BLOCK))
+    st = state.replace(drafter_state=drafter.set_verify_cost(state.drafter_state, lam_b))
+    lengths[lam] = np.asarray(propose(dparams, st).num_proposed_B)
+  assert lengths[1e-4].tolist() == [BLOCK, BLOCK]
+  assert np.all(lengths[1.0] <= BLOCK) and lengths[1.0].sum() < 2 * BLOCK, lengths
+  assert propose._cache_size() == 1
+
+
+def test_controller_hands_the_drafter_its_load_aware_verify_cost(toy):
+  """Under verify_length=auto the controller sets λ(B) from its table; greedy output still
+  equals AR in the ragged batch, and with nearly free verification (λ ≈ 0) row 0's
+  proposals at tier BLOCK are whole blocks (but for its last step, cut by its budget)."""
+  params, dparams = toy['params'], toy['dparams']
+  prompt_BP, lens = pad_prompts([PROMPT, OTHER])
+  controller = VerifyLengthController(toy['graphdef'], toy['drafter'],
+                                      config=ControllerConfig(tiers=(0, BLOCK)))
+  for lam in (1e-4, 0.5):
+    controller.costs = _table(2, lam)
+    state = controller.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+    state = controller.generate(params, dparams, state)
+    assert generated_ids(state) == toy['ar']
+    assert float(state.drafter_state.verify_cost) == pytest.approx(lam, rel=1e-5)
+    if lam < 1e-3:
+      drafting = controller.row0_tiers.count(BLOCK)
+      assert drafting >= 2 and int(state.stats.proposed_B[0]) >= BLOCK * (drafting - 1)
 
 
 def test_bad_drafter_settings_are_one_line_errors(toy):

@@ -2,8 +2,8 @@
 block, anchor-first, with the Markov head walked slot by slot, and a confidence-scheduled
 verify length per row.
 
-State and `init` / `update` are DFlash's (`drafters/dflash.py`): the context K/V of every
-committed position before the anchor.
+State (`DSparkState`): DFlash's context K/V of every committed position before the anchor
+(`init` / `update` are `drafters/dflash.py`'s) and the verify cost λ as a traced scalar.
 
 propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = num_draft; slot k
          drafts the token at anchor+k+1). Near the end of the budget only the first
@@ -13,36 +13,57 @@ propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = nu
          head scores it; the row then verifies only its first n_r drafts.
 
 Verify length (`verify_lengths`). With the calibrated prefix survival S_k (the probability
-that drafts 1..k are all accepted; greedy or sampled calibration by the decoding mode), verifying n drafts commits E(n) = 1 + Σ_{k≤n} S_k
-tokens in expectation. Cost model: a step costs c0 · (1 + λ·n) — c0 the fixed cost (draft
-pass, the anchor's verify row, engine overhead), λ = `verify_cost` the marginal cost of one
-more verified token relative to c0 (≈ 0 when verification is memory-bound, batch 1 on an
-accelerator; → 1 when it is compute-bound, large batches or CPU). Each row takes the n
-maximising E(n) / (1 + λ·n). With `verify_budget` > 0 a batch-level token budget then
-admits the globally best (row, slot) pairs by S (a prefix of every row, as S falls along
-the block), at most `verify_budget` drafts per step. The verify shape stays static (rows
-verify a prefix of it), and under `verify_length=auto` the controller's tiers cap n_r.
-Without a confidence head every row verifies its whole block.
+that drafts 1..k are all accepted; greedy or sampled calibration by the decoding mode),
+verifying n drafts commits E(n) = 1 + Σ_{k≤n} S_k tokens in expectation. Cost model: a step
+costs c0 · (1 + λ·n) — c0 the fixed cost (draft pass, the anchor's verify row, engine
+overhead), λ the marginal cost of one more verified token relative to c0 (≈ 0 when
+verification is memory-bound, batch 1 on an accelerator; → 1 when it is compute-bound,
+large batches or CPU). Each row takes the n maximising E(n) / (1 + λ·n). With
+`verify_budget` > 0 a batch-level token budget then admits the globally best (row, slot)
+pairs by S (a prefix of every row, as S falls along the block), at most `verify_budget`
+drafts per step. The verify shape stays static (rows verify a prefix of it), and under
+`verify_length=auto` the controller's tiers cap n_r. Without a confidence head every row
+verifies its whole block.
+
+Where λ comes from. `init` sets it to `verify_cost` (the config value): that is λ with
+`verify_length=fixed`. Under `verify_length=auto` the load-aware controller
+(`dspec/decoding/controller.py`) replaces it, once per `generate` after profiling, with
+λ(B) fitted to its step-cost table at the batch size B (`CostTable.verify_cost`: least
+squares of cost(B, γ) ≈ c0·(1 + λ·γ) over the tiers, clipped at 0) through
+`set_verify_cost`; the table's λ(B) wins over `verify_cost` there. λ lives in the drafter
+state, a traced scalar, so a new value recompiles nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, ClassVar, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, struct
 
 from dspec.decoding.drafter import check_num_draft, check_width_and_vocab, checkpoint_path
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.state import Proposal
 from dspec.models import dspark as dspark_model
+from dspec.models.kv_cache import KVCache
 
 
-def verify_lengths(survival_BG, limit_B, verify_cost: float, verify_budget: int = 0):
+@struct.dataclass
+class DSparkState:
+  """cache: DFlash's context K/V; verify_cost: λ of the verify-length rule (f32 scalar)."""
+
+  cache: KVCache
+  verify_cost: jnp.ndarray
+
+  LOGICAL_AXES: ClassVar[dict] = {'verify_cost': ()}
+
+
+def verify_lengths(survival_BG, limit_B, verify_cost, verify_budget: int = 0):
   """Per-row verify length n_r [B]: argmax_n (1 + Σ_{k≤n} S_k) / (1 + λ·n) over
-  n ≤ limit_r, then at most `verify_budget` (row, slot) pairs in all (0: no budget), the
+  n ≤ limit_r (λ = `verify_cost`, a float or traced scalar), then at most `verify_budget` (row, slot) pairs in all (0: no budget), the
   largest S first."""
   b, g = survival_BG.shape
   s = survival_BG.astype(jnp.float32)
@@ -64,7 +85,7 @@ class DSparkDrafter(DFlashDrafter):
   """Engine drafter around a `DSparkModel`; params are `nnx.split(model)[1]`. It drafts
   `num_draft` tokens per step with a block of num_draft slots (at most the trained B)."""
 
-  verify_cost: float = 0.1
+  verify_cost: float = 0.1    # λ with verify_length=fixed (auto: the controller's λ(B))
   verify_budget: int = 0
 
   def __post_init__(self):
@@ -103,14 +124,26 @@ class DSparkDrafter(DFlashDrafter):
                        f'{mine.num_layers}-layer target, but the target has '
                        f'{target_cfg.num_layers} layers')
 
-  def propose(self, params, cache, target, ctx, key):
+  def init(self, params, target, ctx, prefill_out):
+    return DSparkState(super().init(params, target, ctx, prefill_out),
+                       jnp.asarray(self.verify_cost, jnp.float32))
+
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return state.replace(cache=super().update(params, state.cache, target, ctx, verify_out,
+                                              start_B, num_accepted_B))
+
+  def set_verify_cost(self, state: DSparkState, verify_cost: float) -> DSparkState:
+    """`state` with λ = `verify_cost` (the load-aware controller's λ(B))."""
+    return state.replace(verify_cost=jax.device_put(np.float32(max(verify_cost, 0.0))))
+
+  def propose(self, params, state, target, ctx, key):
     model = nnx.merge(self.graphdef, params)
-    walk, block_len_B = self.draft(model, cache, target, ctx, key)
+    walk, block_len_B = self.draft(model, state.cache, target, ctx, key)
     n_B = block_len_B
     if walk.conf_logits_BG is not None:
       greedy = ctx.sampling is None or ctx.sampling.greedy
       n_B = verify_lengths(model.survival(walk.conf_logits_BG, greedy), block_len_B,
-                           self.verify_cost, self.verify_budget)
+                           state.verify_cost, self.verify_budget)
     return Proposal(walk.tokens_BG, n_B, walk.q_BGV)
 
   def draft(self, model: dspark_model.DSparkModel, cache, target, ctx, key):
