@@ -15,7 +15,8 @@ calibrate (fit the confidence temperatures on held-out data at export).
 Decode knobs (--config.drafters.dspark.<key>): num_draft (<= the trained block; 0 =
 trained), verify_cost (λ of the per-row verify-length cost model 1 + λ·n with
 verify_length=fixed; 0 verifies every draft; under verify_length=auto λ is fitted per batch
-size to the controller's step-cost table instead), verify_budget (most drafts verified per step over the batch; 0 = no budget).
+size to the controller's step-cost table instead), verify_budget (most drafts verified per
+step over the batch; 0 = no budget).
 Expected: training logs loss, ce, tv, bce, acc1, tau_est (greedy τ estimate), accept_len
 (expected τ under sampling), alpha, conf_mae and, at evaluation, ece_raw / ece (the
 confidence's prefix-survival calibration error before / after temperature scaling), and
