@@ -386,6 +386,11 @@ def load_model_state(path, model: nnx.Module, kind: str) -> dict:
   return metadata
 
 
+def read_model_kind(path) -> Optional[str]:
+  """The `kind` a `save_model` checkpoint holds ('target', 'dflash', ...; reads no arrays)."""
+  return _read_metadata(_as_path(path)).get('kind')
+
+
 def read_model_metadata(path, kind: str) -> dict:
   """Validated metadata of a `save_model` checkpoint of `kind` (reads no arrays)."""
   path = _as_path(path)
