@@ -7,7 +7,10 @@ teacher forcing on its own tokens, speculators-form round trip with the calibrat
 and bad input (markov_rank 0 with the confidence head, a missing head) as one error."""
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import TINY
+from conftest import REPO_ROOT, TINY
 from dspec import checkpoint
 from dspec.models import dspark
 from dspec.models.transformer import Transformer
@@ -220,3 +223,24 @@ def test_bad_input_is_one_clear_error(tmp_path):
                         kind='dspark', config={'dspark': lying, 'target': TINY.to_dict()})
   with pytest.raises(ValueError, match='confidence_head weights are missing'):
     dspark.load_drafter(tmp_path / 'd')
+
+
+def test_markov_rank_zero_with_the_confidence_head_is_one_line_from_train(tmp_path):
+  """The CLI path: `scripts/train.py` with markov_rank=0 and the confidence head on."""
+  data = tmp_path / 'data'
+  data.mkdir()
+  seq = np.tile(np.arange(5, 37, dtype=np.int32), (2, 1))
+  np.savez(data / 'shard_00000.npz', tokens=seq, loss_mask=np.ones_like(seq, bool),
+           lengths=np.full(2, seq.shape[1], np.int32))
+  (data / 'manifest.json').write_text(json.dumps({'shards': ['shard_00000.npz'],
+                                                  'complete': True}))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'train.py'),
+       '--config=configs/dspark_demo.py:tiny', '--config.dspark.markov_rank=0',
+       f'--config.data.path={data}', f'--workdir={tmp_path / "run"}'],
+      cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
+  assert errors == ['error: dspark markov_rank is 0 but the confidence head reads the Markov '
+                    'embedding (confidence_head_with_markov): set markov_rank > 0 or '
+                    'confidence_head_with_markov=False'], proc.stderr
