@@ -5,6 +5,8 @@ Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_d
   python scripts/train.py --config=configs/dspark_demo.py:layers=1,steps=2000 \
       --config.training.batch_size=16 --workdir=runs/dspark_demo
   python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
+  python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
+      --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence
 Arguments: layers=N (draft layers, default 2), block=B (drafts per block, default 7; 3 with tiny),
 head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 256; 0 = none),
 steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default
