@@ -20,7 +20,6 @@ The temperatures were fitted on the first half of these blocks, so the ECE here 
 fully held out; training's `ece` is (second half).
 """
 
-import json
 import os
 import sys
 

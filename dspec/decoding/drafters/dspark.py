@@ -63,8 +63,8 @@ class DSparkState:
 
 def verify_lengths(survival_BG, limit_B, verify_cost, verify_budget: int = 0):
   """Per-row verify length n_r [B]: argmax_n (1 + Σ_{k≤n} S_k) / (1 + λ·n) over
-  n ≤ limit_r (λ = `verify_cost`, a float or traced scalar), then at most `verify_budget` (row, slot) pairs in all (0: no budget), the
-  largest S first."""
+  n ≤ limit_r (λ = `verify_cost`, a float or traced scalar), then at most `verify_budget`
+  (row, slot) pairs in all (0: no budget), the largest S first."""
   b, g = survival_BG.shape
   s = survival_BG.astype(jnp.float32)
   n_G1 = jnp.arange(g + 1, dtype=jnp.int32)
