@@ -4,7 +4,8 @@ A benchmark config is a decode config (DESIGN §8 fields, drafter sub-configs) p
 what to sweep and whether to time the `transformers` peer. The top-level decode fields
 (`max_new_tokens`, `top_p`, `seed`, `timing_repeats`, `data_dir`, `drafters.*`) apply to
 every run of the sweep; `temperature`, `batch_size`, `drafter` and each method's size knob
-(`num_draft`) are set by the sweep.
+(`num_draft`) are set by the sweep. `verify_length` applies unless `bench.verify_lengths`
+lists the ones to sweep.
 """
 
 import ml_collections
@@ -25,6 +26,15 @@ def bench_section() -> ml_collections.ConfigDict:
       # Per-method sizes replacing `sizes` (e.g. MTP is limited to its trained depth).
       'method_sizes': ml_collections.ConfigDict({'mtp': (3,), 'dflash': (3, 7, 15)}),
       'batch_sizes': (1,),
+      # Verify lengths to run every method with: () = the config's verify_length ('auto':
+      # the load-aware controller, the default; 'fixed': every step verifies num_draft).
+      'verify_lengths': (),
+      # Bench methods that are registry drafters with other sub-config values: name ->
+      # {'drafter': registry name, <drafters.<drafter> key>: value}.
+      'variants': ml_collections.ConfigDict({
+          'dflash2': {'drafter': 'dflash', 'path': ''},   # DFlash-2 loads as dflash
+      }),
+      'draft_cost_repeats': 0,     # > 0: time draft vs verify passes once per method × batch
       'max_prompt_tokens': 0,      # > 0: keep only the last N prompt tokens
       'prompt_bucket': 64,         # pad prompt widths to a multiple (fewer recompiles)
       'hf_peer': True,             # time transformers generate on the same prompts

@@ -1,9 +1,21 @@
 """The benchmark behind `scripts/benchmark.py` (DESIGN §8, §9): datasets × methods × sweep.
 
-For every dataset × temperature × batch size, AR (the engine with no drafter) runs over the
-dataset's prompts, then every method × size over the same prompts, in the same process.
-Each batch of prompts gets one warm-up run (compilation; excluded, summed into compile_s)
-and then `timing_repeats` timed runs whose median counts (`runner.timed_generation`).
+For every temperature × dataset × batch size, AR (the engine with no drafter) runs over the
+dataset's prompts, then every method × size × verify length over the same prompts, in the
+same process. Each batch of prompts gets one warm-up run (excluded from decode_s; summed
+into compile_s: compilation and, for controller engines, the step-cost profiling of
+`VerifyLengthController.profile`, which runs once per engine and batch size, in the first
+warm-up) and then `timing_repeats` (>= 1) timed runs whose median counts
+(`runner.timed_generation`). Engines are built once per method × size × verify length ×
+sampling spec and reused across datasets.
+
+Verify length (`bench.verify_lengths`, empty: the config's `verify_length`), as the decode
+CLI and the API choose it (`runner.speculative_engine`): 'auto' runs device drafters under
+the load-aware controller (tiers up to num_draft, tier 0 plain AR) and host drafters
+(suffix) with the AR fallback engine of the host loop; 'fixed' verifies every proposal.
+A method may be a variant (`bench.variants`): a label for a registry drafter with other
+sub-config values (DFlash-2 checkpoints load through the `dflash` drafter). A method whose
+checkpoint path is empty or not a directory is skipped with the reason (meta.json).
 
 Row metrics:
   tau                token-weighted τ: committed tokens / verify steps over every prompt
@@ -18,10 +30,23 @@ Row metrics:
   sol_bound          T > 0: `sol.sol_bound` with P = num_draft + 1 and the dataset's entropy
                      at that temperature (None for drafters that sample their proposals)
   greedy_oracle_ceiling  T = 0: the τ of an oracle proposing AR's own output (`sol.py`)
-Suffix decoding gets a private global trie per (dataset, temperature, batch size, size)
-(`host_drafter_factory(private=True)`) that persists across that run's prompts: later prompts draft from earlier prompts' outputs,
-never from their own (the timing-honesty rule of drafters/suffix.py). A last batch with
-fewer prompts than the batch size is filled with repeats, which count in time, not tokens.
+  verify_length      'auto' | 'fixed' (None for AR)
+  tier_steps         auto: {tier: verify steps summed over the rows of every batch} of the
+                     last timed run of each batch (filler rows of a last partial batch
+                     included); controller tiers, or for host drafters {0: AR-fallback
+                     steps, num_draft: host-proposal steps; `CountingFallback`}. None in
+                     fixed mode and for AR.
+                     Under auto, tau and the acceptance curves pool every tier's steps
+                     (a tier-γ step cannot accept past position γ; tier 0 accepts nothing).
+  draft_over_verify  with `bench.draft_cost_repeats` > 0: `draft_cost.draft_vs_verify` (draft
+                     pass + update over one verify pass of num_draft + 1 tokens), measured once
+                     per method × size × batch size on the first batch of the first dataset
+                     (None for host drafters and AR)
+Suffix decoding gets a private global trie per (dataset, temperature, batch size, size,
+verify length) (`host_drafter_factory(private=True)`) that persists across that run's
+prompts: later prompts draft from earlier prompts' outputs, never from their own (the
+timing-honesty rule of drafters/suffix.py). A last batch with fewer prompts than the batch
+size is filled with repeats, which count in time, not tokens.
 With `bench.hf_peer`, `hf_peer.time_hf_generate` times transformers on the first
 `bench.hf.num_prompts` prompts of `bench.hf.dataset`; the dspec side of every ratio comes
 from the same prompts at T = 0, batch 1 (AR, and the method × size with the best tokens/s).
@@ -36,15 +61,18 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from dspec import datasets, loading
-from dspec.bench import hf_peer, report, sol
+from dspec.bench import draft_cost, hf_peer, report, sol
 from dspec.cli import UserError
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
+from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
@@ -81,10 +109,12 @@ def make_batches(ids: list, batch_size: int, tokenizer, vocab_size: int, max_seq
 
 @dataclasses.dataclass
 class RunResult:
-  """One method × size over every batch of a dataset (per-batch timings kept)."""
+  """One method × size × verify length over every batch of a dataset (per-batch timings)."""
 
   num_draft: int
   samples_proposals: bool = False
+  verify_length: Optional[str] = None
+  tier_steps: Optional[dict] = None
   decode_s: list = dataclasses.field(default_factory=list)
   new_tokens: list = dataclasses.field(default_factory=list)
   outputs: list = dataclasses.field(default_factory=list)
@@ -98,14 +128,56 @@ class RunResult:
     merged = {f: np.concatenate([s[f] for s in self.stats]) for f in _STAT_FIELDS}
     return acceptance_metrics(SimpleNamespace(**merged))
 
+  def add_tier_steps(self, steps: dict) -> None:
+    for g, n in steps.items():
+      self.tier_steps[int(g)] = self.tier_steps.get(int(g), 0) + int(n)
 
-def run_batches(engine, target_params, batches: list, settings: runner.Settings,
+
+class CountingFallback:
+  """The host loop's AR fallback engine, counting the row-steps it runs. The counts stay on
+  device until `steps()` (after the generation): no extra host sync inside the loop."""
+
+  def __init__(self, engine: SpeculativeEngine):
+    self.engine, self.marks = engine, []
+
+  def run(self, target_params, drafter_params, state, max_steps=None, **kw):
+    before = jnp.sum(state.stats.steps_B)   # read before `run` donates the state
+    state = self.engine.run(target_params, drafter_params, state, max_steps, **kw)
+    self.marks.append(jnp.sum(state.stats.steps_B) - before)
+    return state
+
+  def steps(self) -> int:
+    return int(sum(jax.device_get(self.marks)))
+
+
+@dataclasses.dataclass
+class Engines:
+  """What one method × size × verify length runs on: the engine (a controller under auto
+  for device drafters) and, for host drafters under auto, the AR fallback."""
+
+  engine: object
+  verify_length: Optional[str] = None       # None: AR
+  fallback: Optional[CountingFallback] = None
+
+
+def run_batches(engines: Engines, target_params, batches: list, settings: runner.Settings,
                 drafter_params, host_factory, on_state: Callable, tick: Callable) -> RunResult:
-  """Times every batch (`runner.timed_generation`); keeps the real rows' results."""
-  result = RunResult(engine.num_draft, engine.drafter.samples_proposals)
+  """Times every batch (`runner.timed_generation`); keeps the real rows' results and, under
+  auto, the tier steps of each batch's last (timed) run."""
+  engine, fallback = engines.engine, engines.fallback
+  result = RunResult(engine.num_draft, engine.drafter.samples_proposals,
+                     engines.verify_length)
+  controlled = isinstance(engine, VerifyLengthController)
+  if controlled or fallback is not None:
+    result.tier_steps = {}
+  factory = host_factory
+  if fallback is not None:
+    def factory():
+      fallback.marks = []   # one generation per host drafter: count the last one only
+      return host_factory()
   for i, batch in enumerate(batches):
     timed = runner.timed_generation(engine, target_params, drafter_params, batch.prompt_BP,
-                                    batch.lens, settings, host_factory)
+                                    batch.lens, settings, factory, fallback)
     state, n = timed['state'], batch.rows
     generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
     result.decode_s.append(timed['decode_s'])
@@ -113,34 +185,64 @@ def run_batches(engine, target_params, batches: list, settings: runner.Settings,
     result.outputs += generated_ids(state)[:n]
     result.stats.append({f: np.asarray(getattr(state.stats, f))[:n] for f in _STAT_FIELDS})
     result.compile_s += timed['compile_s']
+    if controlled:
+      result.add_tier_steps(engine.tier_steps())
+    elif fallback is not None:
+      ar_steps = fallback.steps()
+      result.add_tier_steps({0: ar_steps, engine.num_draft:
+                             int(np.asarray(state.stats.steps_B).sum()) - ar_steps})
     on_state(i, state, batch)
     tick()
   return result
 
 
+def verify_lengths(cfg) -> tuple:
+  """The verify lengths the sweep runs: `bench.verify_lengths`, else the config's."""
+  return tuple(cfg.bench.verify_lengths) or (cfg.verify_length,)
+
+
+def _variant(cfg, method: str) -> tuple:
+  """(registry drafter, {sub-config overrides}) of a bench method (`bench.variants`)."""
+  variant = cfg.bench.variants.get(method)
+  if variant is None:
+    return method, {}
+  overrides = variant.to_dict()
+  return overrides.pop('drafter'), overrides
+
+
 def run_config(cfg, method: str, temperature: float = 0.0, batch_size: int = 1,
                size: Optional[int] = None):
-  """A copy of `cfg` set up for one run of the sweep."""
+  """A copy of `cfg` set up for one run of the sweep (a variant's values applied)."""
   c = copy.deepcopy(cfg)
-  c.drafter, c.temperature, c.batch_size = method, float(temperature), int(batch_size)
+  drafter, overrides = _variant(cfg, method)
+  c.drafter, c.temperature, c.batch_size = drafter, float(temperature), int(batch_size)
+  if overrides:
+    c.drafters[drafter].update(overrides)
   if size is not None:
-    c.drafters[method].num_draft = int(size)
+    c.drafters[drafter].num_draft = int(size)
   return c
 
 
 def plan_methods(cfg) -> tuple:
-  """([(method, size or None)], {skipped method: reason}) from `bench.methods`."""
+  """([(method, size or None)], {skipped method: reason}) from `bench.methods`. A method
+  whose checkpoint path is empty or not a directory is skipped, with the reason."""
   bench, plan, skipped = cfg.bench, [], {}
   for method in bench.methods:
     if method in ('ar', 'none'):
       continue
-    if method not in registry.known():
+    drafter, _ = _variant(cfg, method)
+    if drafter not in registry.known() or drafter == 'none':
       raise UserError(f'unknown bench method {method!r}; known: ar, '
-                      f'{", ".join(m for m in registry.known() if m != "none")}')
-    sub = cfg.drafters.get(method)
-    if sub is not None and 'path' in sub and not sub.path:
-      skipped[method] = f'no checkpoint: drafters.{method}.path is empty'
-      continue
+                      f'{", ".join(m for m in registry.known() if m != "none")}, '
+                      f'and the variants in bench.variants')
+    sub = run_config(cfg, method).drafters.get(drafter)
+    if sub is not None and 'path' in sub:
+      if not sub.path:
+        skipped[method] = f'no checkpoint: drafters.{drafter}.path is empty'
+        continue
+      if not os.path.isdir(sub.path):
+        skipped[method] = f'no checkpoint: {sub.path} does not exist'
+        continue
     plan += [(method, int(s)) for s in bench.method_sizes.get(method, bench.sizes)]
   return plan, skipped
 
@@ -154,6 +256,16 @@ def validate(cfg) -> None:
     raise UserError(f'bench.num_prompts must be >= 1, got {bench.num_prompts}')
   if bench.prompt_bucket < 1:
     raise UserError(f'bench.prompt_bucket must be >= 1, got {bench.prompt_bucket}')
+  if cfg.timing_repeats < 1:
+    raise UserError(f'the benchmark needs timing_repeats >= 1 (the warm-up run compiles and '
+                    f'profiles, and is not timed), got {cfg.timing_repeats}')
+  for vl in verify_lengths(cfg):
+    if vl not in runner.VERIFY_LENGTHS:
+      raise UserError(f'verify length must be one of {runner.VERIFY_LENGTHS}, got {vl!r}')
+  for method, variant in bench.variants.items():
+    if 'drafter' not in variant or variant.drafter not in cfg.drafters:
+      raise UserError(f'bench.variants.{method} needs drafter: one of the drafters '
+                      f'({", ".join(cfg.drafters)})')
   for t in bench.temperatures:
     runner.Settings.from_config(run_config(cfg, 'none', t, min(bench.batch_sizes)))
   if bench.hf_peer:
@@ -168,7 +280,7 @@ def validate(cfg) -> None:
 
 
 def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: RunResult,
-         entropy: Optional[dict], max_new_tokens: int) -> dict:
+         entropy: Optional[dict], max_new_tokens: int, cost: Optional[dict] = None) -> dict:
   metrics = res.metrics()
   tps, ar_tps = res.tokens_per_s(), ar.tokens_per_s()
   lossless = (None if temperature > 0 else
@@ -177,7 +289,8 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
   return {
       'engine': 'dspec', 'dataset': dataset, 'method': method,
       'temperature': float(temperature), 'batch_size': int(batch_size),
-      'num_draft': res.num_draft, 'tau': metrics['tau'],
+      'num_draft': res.num_draft, 'verify_length': res.verify_length,
+      'tier_steps': res.tier_steps, 'tau': metrics['tau'],
       'tau_per_prompt_mean': metrics['tau_per_prompt_mean'],
       'acceptance_rate': metrics['acceptance_rate'],
       'per_position_acceptance': metrics['per_position_acceptance'],
@@ -186,6 +299,7 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
       'speedup': tps / ar_tps, 'tokens_per_s': tps, 'ar_tokens_per_s': ar_tps,
       'decode_s': float(np.sum(res.decode_s)), 'new_tokens': int(np.sum(res.new_tokens)),
       'lossless_fraction': lossless,
+      'draft_over_verify': cost['draft_over_verify'] if cost else None,
       **sol.speed_of_light(temperature, width, entropy, ar.outputs,
                            sampled_proposals=res.samples_proposals),
       'entropy_mu': entropy['entropy_mu'] if entropy else None,
@@ -217,21 +331,53 @@ class Benchmark:
       if self.bench.max_prompt_tokens > 0:
         ids = [row[-self.bench.max_prompt_tokens:] for row in ids]
       self.prompts[name] = ids
+    self.verify_lengths = verify_lengths(cfg)
     self.rows, self.entropy, self.peer_runs = [], {}, {}
+    self.engines, self.draft_costs = {}, {}
 
   def num_units(self) -> int:
     per_batch = sum(-(-len(ids) // b) for ids in self.prompts.values()
                     for b in self.bench.batch_sizes)
     hf = 3 * self.bench.hf.num_prompts if self.bench.hf_peer else 0
-    return per_batch * len(self.bench.temperatures) * (1 + len(self.plan)) + hf
+    runs = 1 + len(self.plan) * len(self.verify_lengths)
+    return per_batch * len(self.bench.temperatures) * runs + hf
 
-  def _engine(self, drafter, settings: runner.Settings) -> SpeculativeEngine:
-    return SpeculativeEngine(self.graphdef, drafter=drafter, sampling=settings.sampling(),
-                             stop_ids=self.stop_ids)
+  def _engines(self, key, drafter, settings: runner.Settings,
+               verify_length: Optional[str]) -> Engines:
+    """The engines of one method × size × verify length at these sampling settings, built
+    once (compiled programs, the controller's step-cost table) and reused across datasets."""
+    spec = settings.sampling()
+    if (key, verify_length, spec) not in self.engines:
+      engine = runner.speculative_engine(self.graphdef, drafter, spec, self.stop_ids,
+                                         verify_length=verify_length or 'fixed')
+      fallback = None
+      if verify_length == 'auto' and drafter_lib.host_drafter_factory(drafter):
+        fallback = CountingFallback(engine.with_drafter(drafter_lib.TruncatedDrafter(drafter,
+                                                                                     0)))
+      self.engines[key, verify_length, spec] = Engines(engine, verify_length, fallback)
+    return self.engines[key, verify_length, spec]
+
+  def _draft_cost(self, key, drafter, params, settings: runner.Settings,
+                  batch: Batch) -> Optional[dict]:
+    """`draft_cost.draft_vs_verify` of a device drafter, once per method × size × batch size
+    (on `batch` prefilled), with `bench.draft_cost_repeats` > 0."""
+    repeats, b = self.bench.draft_cost_repeats, batch.prompt_BP.shape[0]
+    if repeats < 1 or drafter_lib.host_drafter_factory(drafter):
+      return None
+    if (key, b) not in self.draft_costs:
+      engine = SpeculativeEngine(self.graphdef, drafter=drafter,
+                                 sampling=settings.sampling(), stop_ids=self.stop_ids)
+      state = engine.prefill(self.params, params, batch.prompt_BP, batch.lens,
+                             temperature=settings.temperature, top_p=settings.top_p,
+                             max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+      self.draft_costs[key, b] = draft_cost.draft_vs_verify(engine, self.params, params,
+                                                            state, repeats)
+    return self.draft_costs[key, b]
 
   def run_sweep_point(self, dataset: str, temperature: float, batch_size: int,
                       bar: tqdm) -> None:
-    """AR, then every planned method × size, over one dataset at one T and batch size."""
+    """AR, then every planned method × size × verify length, over one dataset at one T and
+    batch size."""
     cfg = self.cfg
     batches = make_batches(self.prompts[dataset], batch_size, self.tokenizer,
                            self.target.cfg.vocab_size, self.max_seq_len, cfg.max_new_tokens,
@@ -245,8 +391,8 @@ class Benchmark:
         meter.add(state, batch.rows)
 
     bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} ar')
-    ar = run_batches(self._engine(drafter_lib.NoDrafter(), settings), self.params, batches,
-                     settings, None, None, on_ar_state, bar.update)
+    ar = run_batches(self._engines('ar', drafter_lib.NoDrafter(), settings, None), self.params,
+                     batches, settings, None, None, on_ar_state, bar.update)
     if meter is not None:
       self.entropy[dataset, temperature] = meter.moments()
     entropy = self.entropy.get((dataset, temperature))
@@ -258,13 +404,16 @@ class Benchmark:
     runs = {'ar': ar}
     for method, size in self.plan:
       drafter, params = self.drafters[method, size]
-      bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} {method}:{size}')
-      res = run_batches(self._engine(drafter, settings), self.params, batches, settings,
-                        params, drafter_lib.host_drafter_factory(drafter, private=True),
-                        lambda *a: None, bar.update)
-      self.rows.append(_row(dataset, method, *args, size, res, ar, entropy,
-                            cfg.max_new_tokens))
-      runs[method, size] = res
+      cost = self._draft_cost((method, size), drafter, params, settings, batches[0])
+      for vl in self.verify_lengths:
+        bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} {method}:{size} {vl}')
+        res = run_batches(self._engines((method, size), drafter, settings, vl), self.params,
+                          batches, settings, params,
+                          drafter_lib.host_drafter_factory(drafter, private=True),
+                          lambda *a: None, bar.update)
+        self.rows.append(_row(dataset, method, *args, size, res, ar, entropy,
+                              cfg.max_new_tokens, cost))
+        runs[method, size, vl] = res
     if self.bench.hf_peer and (dataset, temperature, batch_size) == (
         self.bench.hf.dataset, 0.0, 1):
       self.peer_runs = runs
@@ -313,7 +462,8 @@ class Benchmark:
         'dspec_ar_tokens_per_s': dspec_ar_tps, 'hf_ar_tokens_per_s': hf_tps['hf_ar'],
         'ar_ratio': dspec_ar_tps / hf_tps['hf_ar'],
         'dspec_best': None if best_key is None else
-        {'method': best_key[0], 'num_draft': best_key[1], 'tokens_per_s': dspec_best_tps,
+        {'method': best_key[0], 'num_draft': spec[best_key].num_draft,
+         'verify_length': best_key[2], 'tokens_per_s': dspec_best_tps,
          'speedup': dspec_best_speedup},
         'hf_best': {'method': hf_best, 'tokens_per_s': hf_tps[hf_best],
                     'speedup': hf_best_speedup},
@@ -329,15 +479,18 @@ class Benchmark:
     report.remove_stale(self.out_dir)
     bench, peer = self.bench, None
     with tqdm(total=self.num_units(), desc='benchmark', unit='run', dynamic_ncols=True) as bar:
-      for dataset in bench.datasets:
-        for temperature in bench.temperatures:
+      for temperature in bench.temperatures:   # outermost: one sampling spec's programs
+        for dataset in bench.datasets:          # at a time stay in the engine cache
           for batch_size in bench.batch_sizes:
             self.run_sweep_point(dataset, float(temperature), int(batch_size), bar)
             report.write_json_atomic(os.path.join(self.out_dir, report.PARTIAL), self.rows)
       if bench.hf_peer:
         peer = self.run_peer(bar)
     meta = report.run_metadata(self.cfg, self.command, time.time() - started)
-    meta.update(skipped=self.skipped, peer=peer, entropy=[
+    meta.update(skipped=self.skipped, peer=peer, verify_lengths=list(self.verify_lengths),
+                draft_cost=[{'method': m, 'num_draft': size, **c}
+                            for ((m, size), _), c in self.draft_costs.items()],
+                entropy=[
         {'dataset': d, 'temperature': t, **e} for (d, t), e in self.entropy.items()])
     report.write_outputs(self.out_dir, self.rows, meta)
     return self.rows

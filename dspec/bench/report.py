@@ -3,7 +3,17 @@
 `write_outputs` writes plots, meta.json and results.md first and results.json last, each to
 a temporary name then renamed (`dspec.files`), so a results.json only exists once a run has
 finished. Summaries and plots show, per method, the size with the best geometric-mean
-speedup over datasets at the smallest batch size (`best_sizes`; plots use T = 0).
+speedup over datasets at the smallest batch size (`best_sizes`; plots use T = 0). A run that
+swept both verify lengths labels its methods `<method>/auto` and `<method>/fixed`.
+
+Per condition (T, batch), `condition_table` gives every method × size: τ and speedup per
+dataset, τ token-weighted over datasets, the geometric-mean and lowest speedup, the lowest
+lossless_fraction, draft / verify cost and the controller's tier usage; and one plot
+(`condition_plot_name`) of the per-position conditional acceptance P(n >= k | n >= k-1),
+one line per method, from the τ histograms summed over datasets (every verify step counts
+once: token-weighted, not a mean of per-dataset curves). A method run both ways is drawn
+from its fixed rows only: under auto a step at tier γ stops at γ and tier 0 accepts nothing,
+which would read as rejections; a method run only under auto is drawn dashed, so labelled.
 """
 
 from __future__ import annotations
@@ -58,8 +68,8 @@ def run_metadata(cfg, command: str, wall_s: float) -> dict:
 
 def write_outputs(out_dir: str, rows: list, meta: dict) -> None:
   """Plots, meta.json, results.md, then results.json (all atomic); drops the partial file."""
-  make_plots(rows, out_dir)
-  meta = dict(meta, plots=sorted(PLOTS.values()))
+  extra = make_plots(rows, out_dir)
+  meta = dict(meta, plots=sorted(PLOTS.values()) + extra)
   write_json_atomic(os.path.join(out_dir, META), meta)
   write_text_atomic(os.path.join(out_dir, MARKDOWN), render_markdown(rows, meta))
   write_json_atomic(os.path.join(out_dir, RESULTS), rows)
@@ -83,13 +93,22 @@ def _ordered(values) -> list:
   return list(dict.fromkeys(values))
 
 
+def _variant_fn(rows):
+  """row -> its method label: the method, with '/auto' or '/fixed' when the run has rows of
+  both verify lengths (AR stays 'ar')."""
+  modes = {r.get('verify_length') for r in _dspec(rows) if r['method'] != 'ar'}
+  if len(modes) < 2:
+    return lambda r: r['method']
+  return lambda r: r['method'] if r['method'] == 'ar' else f'{r["method"]}/{r["verify_length"]}'
+
+
 def best_sizes(rows, temperature: float = 0.0, batch_size: Optional[int] = None) -> dict:
-  """{method: size} with the best geometric-mean speedup over datasets (AR excluded)."""
-  rows = _dspec(rows)
+  """{method label: size} with the best geometric-mean speedup over datasets (AR excluded)."""
+  rows, variant = _dspec(rows), _variant_fn(rows)
   batch_size = batch_size or min(r['batch_size'] for r in rows)
   picked = {}
-  for method in _ordered(r['method'] for r in rows if r['method'] != 'ar'):
-    sel = [r for r in rows if r['method'] == method and r['temperature'] == temperature
+  for method in _ordered(variant(r) for r in rows if r['method'] != 'ar'):
+    sel = [r for r in rows if variant(r) == method and r['temperature'] == temperature
            and r['batch_size'] == batch_size]
     sizes = _ordered(r['num_draft'] for r in sel)
     if sizes:
@@ -99,15 +118,80 @@ def best_sizes(rows, temperature: float = 0.0, batch_size: Optional[int] = None)
 
 
 def _pick(rows, method, size, temperature, batch_size) -> list:
-  return [r for r in _dspec(rows) if r['method'] == method and r['num_draft'] == size
+  variant = _variant_fn(rows)
+  return [r for r in _dspec(rows) if variant(r) == method and r['num_draft'] == size
           and r['temperature'] == temperature and r['batch_size'] == batch_size]
+
+
+def _conditions(rows) -> list:
+  """[(T, batch)] of the dspec rows, in run order."""
+  return _ordered((r['temperature'], r['batch_size']) for r in _dspec(rows))
+
+
+def _entries(rows, temperature, batch_size) -> list:
+  """[(method label, size)] of the non-AR rows at one condition, in run order."""
+  variant = _variant_fn(rows)
+  return _ordered((variant(r), r['num_draft']) for r in _dspec(rows) if r['method'] != 'ar'
+                  and r['temperature'] == temperature and r['batch_size'] == batch_size)
+
+
+def pooled_tau(sel) -> float:
+  """τ over rows, token-weighted: Σ committed / Σ verify steps."""
+  steps = sum(r.get('verify_steps', 0) for r in sel)
+  if not steps:   # rows of runs before verify_steps was recorded: the plain mean
+    return sum(r['tau'] for r in sel) / len(sel) if sel else float('nan')
+  return sum(r['tau'] * r['verify_steps'] for r in sel) / steps
+
+
+def pooled_conditional(sel) -> list:
+  """P(n >= k | n >= k-1), k = 1..γ, from the rows' τ histograms summed (every step once)."""
+  hist = [sum(col) for col in zip(*(r['tau_histogram'] for r in sel))]
+  at_least = [sum(hist[k:]) for k in range(len(hist))]
+  return [at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0
+          for k in range(1, len(hist))]
+
+
+def pooled_tiers(sel) -> Optional[dict]:
+  """{tier: share of verify steps} over the rows' tier_steps (None without any)."""
+  total = {}
+  for r in sel:
+    for g, n in (r.get('tier_steps') or {}).items():
+      total[int(g)] = total.get(int(g), 0) + n
+  steps = sum(total.values())
+  return {g: n / steps for g, n in sorted(total.items())} if steps else None
+
+
+def _tiers_cell(shares: Optional[dict]) -> Optional[str]:
+  """'0:12% 7:88%' (tier: share of verify steps)."""
+  return None if shares is None else ' '.join(f'{g}:{100 * v:.0f}%' for g, v in shares.items())
+
+
+def condition_plot_name(temperature: float, batch_size: int) -> str:
+  return f'conditional_acceptance_T{temperature:g}_b{batch_size}.png'
+
+
+def _curves(rows, temperature, batch_size) -> list:
+  """[(label, size, conditional curve, dashed)] for one condition's plot: fixed rows of a
+  method run both ways; auto-only methods dashed (their curve pools the tiers)."""
+  sel = [r for r in _dspec(rows) if r['method'] != 'ar' and r['temperature'] == temperature
+         and r['batch_size'] == batch_size]
+  fixed = {r['method'] for r in sel if r.get('verify_length') != 'auto'}
+  out = []
+  for method, size in _ordered((r['method'], r['num_draft']) for r in sel):
+    mine = [r for r in sel if r['method'] == method and r['num_draft'] == size
+            and (r.get('verify_length') != 'auto' or method not in fixed)]
+    auto = method not in fixed
+    out.append((f'{method} ({size})' + (', auto: tiers pooled' if auto else ''), size,
+                pooled_conditional(mine), auto))
+  return out
 
 
 # ---------------------------------------------------------------------------------- plots
 
 
-def make_plots(rows: list, out_dir: str) -> None:
-  """The four PNGs of `PLOTS` (atomic writes)."""
+def make_plots(rows: list, out_dir: str) -> list:
+  """The four PNGs of `PLOTS` and one conditional-acceptance plot per condition (atomic
+  writes); returns the names of the latter."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -120,10 +204,10 @@ def make_plots(rows: list, out_dir: str) -> None:
   chosen = best_sizes(rows, t0, batch)
   label = {m: f'{m} ({s})' for m, s in chosen.items()}
 
-  def save(fig, key):
+  def save(fig, key, name=None):
     def write(tmp):
       fig.savefig(tmp, format='png', dpi=110)
-    write_atomic(os.path.join(out_dir, PLOTS[key]), write)
+    write_atomic(os.path.join(out_dir, name or PLOTS[key]), write)
     plt.close(fig)
 
   # τ histogram: share of verify steps committing n tokens, pooled over datasets.
@@ -196,6 +280,25 @@ def make_plots(rows: list, out_dir: str) -> None:
     ax.legend(fontsize=7)
   save(fig, 'speedup_vs_batch')
 
+  # Conditional acceptance per condition, pooled over datasets (the suffix-decay curve).
+  names = []
+  for t, b in _conditions(rows):
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), layout='constrained')
+    for label_, _, curve, dashed in _curves(rows, t, b):
+      if curve:
+        ax.plot(range(1, len(curve) + 1), curve, '--' if dashed else '-', marker='.',
+                label=label_)
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel('draft position k')
+    ax.set_ylabel('P(accept k | accepted k-1)')
+    ax.set_title(f'Conditional acceptance (T={t:g}, batch {b}, all datasets)')
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+    names.append(condition_plot_name(t, b))
+    save(fig, None, names[-1])
+  return names
+
 
 # ------------------------------------------------------------------------------- markdown
 
@@ -230,6 +333,28 @@ def summary_table(rows: list, temperature: float, batch_size: int) -> str:
                 + ['mean τ', 'overall speedup'], body)
 
 
+def condition_table(rows: list, temperature: float, batch_size: int) -> str:
+  """Every method × size at one condition: τ / speedup per dataset, τ token-weighted over
+  datasets, geometric-mean and lowest speedup, lowest lossless_fraction, draft / verify,
+  tier usage (auto)."""
+  datasets = _ordered(r['dataset'] for r in _dspec(rows))
+  body = []
+  for method, size in _entries(rows, temperature, batch_size):
+    sel = _pick(rows, method, size, temperature, batch_size)
+    by_ds = {r['dataset']: r for r in sel}
+    lossless = [r['lossless_fraction'] for r in sel if r['lossless_fraction'] is not None]
+    costs = [r['draft_over_verify'] for r in sel if r.get('draft_over_verify') is not None]
+    body.append([f'{method} ({size})']
+                + [f'{by_ds[d]["tau"]:.2f} / {by_ds[d]["speedup"]:.2f}×' if d in by_ds
+                   else None for d in datasets]
+                + [pooled_tau(sel), _geomean(r['speedup'] for r in sel),
+                   min(r['speedup'] for r in sel), min(lossless) if lossless else None,
+                   costs[0] if costs else None, _tiers_cell(pooled_tiers(sel))])
+  return _table(['method (size)'] + [f'{d} τ / speedup' for d in datasets]
+                + ['τ (all)', 'speedup (geo-mean)', 'lowest speedup', 'lossless (lowest)',
+                   'draft / verify', 'tiers (share of steps)'], body)
+
+
 def _header(meta: dict) -> str:
   m = meta['machine']
   return '\n'.join([
@@ -246,10 +371,13 @@ def _settings(meta: dict) -> str:
   where = (model['path'] if model['source'] != 'random'
            else f'random {model["shape"]["num_layers"]}-layer target')
   cut = f' (last {b["max_prompt_tokens"]} prompt tokens kept)' if b['max_prompt_tokens'] else ''
+  modes = meta.get('verify_lengths') or [c.get('verify_length', 'fixed')]
   return (f'Target: {where}. {b["num_prompts"]} prompts per dataset{cut}, '
           f'max_new_tokens={c["max_new_tokens"]}, warm-up + median of {c["timing_repeats"]} '
           f'timed runs per batch; speedup = AR decode time / method decode time in the same '
-          f'process (token-rate ratio at T > 0).')
+          f'process (token-rate ratio at T > 0). Verify length: {" and ".join(modes)} '
+          f'(auto: the load-aware controller picks each chunk\'s tier, 0 = AR; fixed: every '
+          f'step verifies num_draft).')
 
 
 def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
@@ -259,6 +387,11 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
   for t in _ordered(r['temperature'] for r in dspec_rows):
     parts += [f'{heading} Speedup summary, T={t:g}, batch {batch}', '',
               summary_table(rows, t, batch), '']
+  for t, b in _conditions(rows):
+    if _entries(rows, t, b):
+      parts += [f'{heading} Per method, T={t:g}, batch {b}', '', condition_table(rows, t, b),
+                '', f'![conditional acceptance T={t:g} batch {b}]'
+                f'({_image(image_dir, condition_plot_name(t, b))})', '']
   lossy = [r for r in dspec_rows if r['temperature'] == 0 and r['lossless_fraction'] != 1.0]
   verdict = f'{len(lossy)} T=0 rows below 1.0' if lossy else 'every T=0 row is 1.0'
   parts += [f'Greedy losslessness (lossless_fraction): {verdict}.', '']
@@ -310,16 +443,21 @@ def _body(rows: list, meta: dict, image_dir: str, heading: str) -> list:
     parts += ['Skipped methods: ' + '; '.join(f'{m} ({why})'
                                               for m, why in meta['skipped'].items()), '']
   parts += [f'{heading} Plots', '']
-  parts += [f'![{key}]({os.path.join(image_dir, name) if image_dir else name})'
-            for key, name in PLOTS.items()]
+  parts += [f'![{key}]({_image(image_dir, name)})' for key, name in PLOTS.items()]
   parts += ['', f'{heading} All runs', '', _table(
-      ['dataset', 'method', 'T', 'batch', 'size', 'τ', 'α', 'speedup', 'tok/s', 'AR tok/s',
-       'lossless', 'SOL bound (T>0)', 'oracle ceiling (T=0)', 'compile s'],
+      ['dataset', 'method', 'T', 'batch', 'size', 'verify', 'τ', 'α', 'speedup', 'tok/s',
+       'AR tok/s', 'lossless', 'SOL bound (T>0)', 'oracle ceiling (T=0)', 'tiers',
+       'compile s'],
       [[r['dataset'], r['method'], r['temperature'], r['batch_size'], r['num_draft'],
-        r['tau'], r['acceptance_rate'], r['speedup'], r['tokens_per_s'], r['ar_tokens_per_s'],
-        r['lossless_fraction'], r['sol_bound'], r.get('greedy_oracle_ceiling'),
-        r['compile_s']] for r in dspec_rows]), '']
+        r.get('verify_length'), r['tau'], r['acceptance_rate'], r['speedup'],
+        r['tokens_per_s'], r['ar_tokens_per_s'], r['lossless_fraction'], r['sol_bound'],
+        r.get('greedy_oracle_ceiling'), _tiers_cell(pooled_tiers([r])), r['compile_s']]
+       for r in dspec_rows]), '']
   return parts
+
+
+def _image(image_dir: str, name: str) -> str:
+  return os.path.join(image_dir, name) if image_dir else name
 
 
 def _sample_cell(text: str, limit: int = 160) -> str:

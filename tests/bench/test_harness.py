@@ -1,13 +1,17 @@
-"""Benchmark harness: the tiny config end to end, atomic outputs, SOL bound, datasets."""
+"""Benchmark harness: the tiny config end to end, atomic outputs, SOL bound, datasets,
+verify lengths (auto / fixed), skipped checkpoints, the family preset."""
 
 import json
 import math
 import os
+import time
 
 import pytest
 
-from configs import bench_demo, bench_tiny
+from configs import bench_demo, bench_tiny, common_bench
 from dspec.bench import harness, report, sol
+from dspec.decoding.controller import VerifyLengthController
+from dspec.decoding.engine import SpeculativeEngine
 
 REQUIRED = ('dataset', 'method', 'temperature', 'batch_size', 'num_draft', 'tau',
             'per_position_acceptance', 'speedup', 'tokens_per_s', 'ar_tokens_per_s',
@@ -40,6 +44,8 @@ def test_tiny_bench_end_to_end(bench_dir):
   for r in dspec_rows:
     assert r['lossless_fraction'] == 1.0
     assert r['num_prompts'] == 2 and r['tau'] >= 1.0 and r['speedup'] > 0
+    # The config's verify_length (default auto) when bench.verify_lengths is empty.
+    assert r['verify_length'] == (None if r['method'] == 'ar' else 'auto')
     if r['temperature'] == 0:   # no bound at T = 0; nothing beats the oracle ceiling
       assert r['sol_bound'] is None
       assert r['tau'] <= r['greedy_oracle_ceiling'] + 1e-9 <= r['num_draft'] + 1 + 1e-9
@@ -140,3 +146,152 @@ def test_demo_bench_presets_plan_every_method(arg):
   assert len(cfg.bench.datasets) == (2 if arg == 'goals' else 8) and cfg.bench.hf_peer
   cfg.drafters.mtp.path = ''
   assert 'mtp' in harness.plan_methods(cfg)[1], 'a method without a checkpoint is skipped'
+
+
+PROFILE_SLEEP_S = 1.5
+
+
+@pytest.fixture(scope='module')
+def both_modes(tmp_path_factory):
+  """ngram and suffix under auto and fixed, one dataset, a missing MTP checkpoint, draft
+  costs; the controller's profiling made slow to show it stays out of decode_s."""
+  out = str(tmp_path_factory.mktemp('bench_modes'))
+  cfg = _tiny_cfg()
+  cfg.bench.datasets = ('humaneval',)
+  cfg.bench.hf_peer = False
+  cfg.bench.methods = ('ngram', 'suffix', 'mtp')
+  cfg.drafters.mtp.path = os.path.join(out, 'no_such_mtp')
+  cfg.bench.verify_lengths = ('auto', 'fixed')
+  cfg.bench.draft_cost_repeats = 2
+  profile = VerifyLengthController.profile
+  calls = []
+
+  def slow_profile(self, *args):
+    calls.append(self)
+    time.sleep(PROFILE_SLEEP_S)
+    return profile(self, *args)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(VerifyLengthController, 'profile', slow_profile)
+    bench = harness.Benchmark(cfg, out, 'python scripts/benchmark.py (modes)')
+    bench.run()
+  with open(os.path.join(out, report.RESULTS)) as f:
+    rows = json.load(f)
+  with open(os.path.join(out, report.META)) as f:
+    meta = json.load(f)
+  return bench, rows, meta, calls, out
+
+
+def _by(rows, method, verify_length):
+  return next(r for r in rows if r['method'] == method and r['verify_length'] == verify_length)
+
+
+def test_auto_rows_have_tier_steps_and_stay_lossless(both_modes):
+  bench, rows, _, calls, _ = both_modes
+  for method in ('ngram', 'suffix'):
+    r = _by(rows, method, 'auto')
+    assert r['lossless_fraction'] == 1.0 and r['temperature'] == 0
+    tiers = {int(g): n for g, n in r['tier_steps'].items()}
+    # Batch 1, no filler rows: the tiers' steps are the row's verify steps.
+    assert sum(tiers.values()) == r['verify_steps'] > 0
+    assert set(tiers) <= ({0, 1, 3, 4} if method == 'ngram' else {0, 4})
+  # One controller (ngram at T = 0), profiled once (batch 1) in the first warm-up run.
+  controllers = [e.engine for e in bench.engines.values()
+                 if isinstance(e.engine, VerifyLengthController)]
+  assert len(controllers) == 1 and calls == controllers
+  ngram = _by(rows, 'ngram', 'auto')
+  assert ngram['decode_s'] < PROFILE_SLEEP_S <= ngram['compile_s'], 'profiling was timed'
+  suffix = [e for (key, vl, _), e in bench.engines.items() if key == ('suffix', 4)
+            and vl == 'auto']
+  assert len(suffix) == 1 and suffix[0].fallback is not None   # the host loop's AR chunks
+
+
+def test_fixed_rows_verify_every_proposal(both_modes):
+  bench, rows, _, _, _ = both_modes
+  for method in ('ngram', 'suffix'):
+    r = _by(rows, method, 'fixed')
+    assert r['tier_steps'] is None and r['lossless_fraction'] == 1.0
+    assert len(r['tau_histogram']) == r['num_draft'] + 1
+  fixed = [e for (_, vl, _), e in bench.engines.items() if vl == 'fixed']
+  assert len(fixed) == 2 and all(type(e.engine) is SpeculativeEngine and e.fallback is None
+                                 for e in fixed)
+  ar = next(r for r in rows if r['method'] == 'ar')
+  assert ar['verify_length'] is None and ar['tier_steps'] is None
+
+
+def test_missing_checkpoint_dir_is_skipped_with_reason(both_modes, tmp_path):
+  _, rows, meta, _, out = both_modes
+  assert 'mtp' not in {r['method'] for r in rows}
+  assert meta['skipped'] == {'mtp': f'no checkpoint: {out}/no_such_mtp does not exist'}
+  with open(os.path.join(out, report.MARKDOWN)) as f:
+    assert 'Skipped methods: mtp (no checkpoint:' in f.read()
+  cfg = _tiny_cfg()
+  cfg.bench.methods = ('ngram', 'mtp', 'dflash2')
+  cfg.drafters.mtp.path = str(tmp_path)     # exists: planned (its build would load it)
+  plan, skipped = harness.plan_methods(cfg)
+  assert plan == [('ngram', 4), ('mtp', 3)]   # bench.method_sizes.mtp
+  assert skipped == {'dflash2': 'no checkpoint: drafters.dflash.path is empty'}
+
+
+def test_draft_cost_and_condition_report(both_modes):
+  _, rows, meta, _, out = both_modes
+  assert _by(rows, 'ngram', 'auto')['draft_over_verify'] > 0
+  assert _by(rows, 'suffix', 'auto')['draft_over_verify'] is None   # host drafter
+  assert [(c['method'], c['batch_size']) for c in meta['draft_cost']] == [('ngram', 1)]
+  with open(os.path.join(out, report.MARKDOWN)) as f:
+    text = f.read()
+  assert '## Per method, T=0, batch 1' in text and 'Verify length: auto and fixed' in text
+  for label in ('ngram/auto (4)', 'ngram/fixed (4)', 'suffix/auto (4)', 'suffix/fixed (4)'):
+    assert f'| {label} |' in text
+  name = report.condition_plot_name(0.0, 1)
+  assert name in meta['plots'] and os.path.getsize(os.path.join(out, name)) > 0
+  # The curve comes from the fixed rows (auto ones would count tier stops as rejections).
+  (label, _, curve, dashed), _ = report._curves(rows, 0.0, 1)
+  fixed = _by(rows, 'ngram', 'fixed')
+  assert label == 'ngram (4)' and not dashed
+  assert curve == pytest.approx(fixed['per_position_acceptance_conditional'])
+
+
+def test_pooled_conditional_is_step_weighted():
+  rows = [{'tau_histogram': [6, 2, 2]}, {'tau_histogram': [0, 0, 10]}]
+  # at_least = [20, 14, 12]
+  assert report.pooled_conditional(rows) == pytest.approx([14 / 20, 12 / 14])
+  rows = [{'tau': 2.0, 'verify_steps': 10}, {'tau': 4.0, 'verify_steps': 30}]
+  assert report.pooled_tau(rows) == pytest.approx(3.5)
+
+
+def test_verify_length_settings():
+  cfg = _tiny_cfg()
+  assert harness.verify_lengths(cfg) == ('auto',)
+  cfg.verify_length = 'fixed'
+  assert harness.verify_lengths(cfg) == ('fixed',)
+  cfg.bench.verify_lengths = ('fixed', 'nope')
+  with pytest.raises(harness.UserError, match='verify length'):
+    harness.validate(cfg)
+  cfg = _tiny_cfg()
+  cfg.timing_repeats = 0
+  with pytest.raises(harness.UserError, match='timing_repeats'):
+    harness.validate(cfg)
+
+
+def test_family_preset_plan():
+  cfg = bench_demo.get_config('family')
+  harness.validate(cfg)
+  b = cfg.bench
+  assert tuple(b.datasets) == common_bench.ALL_DATASETS and b.num_prompts == 10
+  assert tuple(b.temperatures) == (0.0, 1.0) and tuple(b.batch_sizes) == (1, 16)
+  assert harness.verify_lengths(cfg) == ('auto', 'fixed') and not b.hf_peer
+  assert cfg.model.path == 'demo/target'
+  plan, skipped = harness.plan_methods(cfg)
+  learned = ('mtp', 'eagle3', 'dflash', 'dflash2', 'dspark')
+  assert [(m, s) for m, s in plan] == [('ngram', 7)] + [(m, 0) for m in learned
+                                                        if m not in skipped]
+  for method in learned:   # demo/<method>: planned when it exists, else skipped with why
+    path = f'demo/{method}'
+    assert (method in skipped) == (not os.path.isdir(path))
+    if method in skipped:
+      assert skipped[method] == f'no checkpoint: {path} does not exist'
+  c = harness.run_config(cfg, 'dflash2', size=0)
+  assert c.drafter == 'dflash' and c.drafters.dflash.path == 'demo/dflash2'
+  assert c.drafters.dflash.num_draft == 0
+  assert bench_demo.get_config('family,target=demo/target_v2').model.path == 'demo/target_v2'
