@@ -172,7 +172,8 @@ def _read_speculators(path: str, spec: _Keys, target_cfg, dtype: str) -> MTP:
                 'transformer_layer_config.')
   shapes = _shapes(layer, target_cfg, dtype)
   methods = (spec.get('speculators_config', dict) or {}).get('proposal_methods') or [{}]
-  steps = methods[0].get('speculative_tokens', 3) if isinstance(methods[0], dict) else 3
+  first = methods[0] if isinstance(methods, list) else None
+  steps = first.get('speculative_tokens', 3) if isinstance(first, dict) else None
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
     raise spec.error('speculators_config.proposal_methods[0].speculative_tokens',
                      f'must be a positive integer, got {steps!r}')
