@@ -9,7 +9,9 @@ Every step then verifies [anchor, d_1..d_γ] in one target forward, where the an
 last committed token (not yet in the target cache) and the drafts are what the drafter
 proposed from the committed context. Near the end of the budget a row verifies at most
 `remaining` drafts (z-lab's shrinking verify size: all may be accepted; the bonus token
-past the budget is dropped), so nothing past `max_new_tokens` counts.
+past the budget is dropped), so nothing past `max_new_tokens` counts. A step where no row
+has a draft (an n-gram miss, an empty host proposal) runs the target over the anchor alone,
+so it costs an AR step.
 
 One step driver: `run_fn` runs steps inside one `lax.while_loop` until every row is done,
 `max_steps` steps ran, or (`until_row_done`) some live row finished. `generate`, the
@@ -114,6 +116,46 @@ class SpeculativeEngine:
     dstate = self.drafter.init(drafter_params, target, self.context(state), out)
     return state.replace(drafter_state=dstate)
 
+  def _verify(self, target, key, state: DecodeState, verify_BG1, proposal: Proposal,
+              num_proposed_B):
+    """(target output with logits dropped, num accepted [B], emitted tokens [B, γ+1]) of
+    the target forward over [anchor, drafts]. When no live row has a draft, the forward
+    runs over the anchor alone (an AR step's cost) and hidden, taps and emitted tokens are
+    zero-padded to γ+1 slots: nothing past the anchor is accepted, so none is committed."""
+
+    def run(cache, tokens_BT, drafts_BG, num_B, q_BGV):
+      out = target(tokens_BT, cache=cache, taps=self.drafter.taps)
+      if self.sampling.greedy:
+        n_B, emitted_BT = greedy_verify(drafts_BG, num_B, out.logits_BTV)
+      else:
+        n_B, emitted_BT = rejection_verify_logits(
+            key, drafts_BG, num_B, q_BGV, out.logits_BTV,
+            lambda x: processed_probs(x, self.sampling, state.temperature, state.top_p))
+      return out._replace(logits_BTV=None), n_B, emitted_BT
+
+    wide = lambda cache: run(cache, verify_BG1, proposal.tokens_BG, num_proposed_B,
+                             proposal.q_BGV)
+    width = verify_BG1.shape[1]
+    if width == 1:
+      return wide(state.cache)
+
+    def anchor_only(cache):
+      q_BGV = None if proposal.q_BGV is None else proposal.q_BGV[:, :0]
+      out, n_B, emitted_B1 = run(cache, verify_BG1[:, :1], proposal.tokens_BG[:, :0],
+                                 jnp.zeros_like(num_proposed_B), q_BGV)
+      pad = lambda x: jnp.pad(x, [(0, 0), (0, width - 1)] + [(0, 0)] * (x.ndim - 2))
+      return (out._replace(hidden_BTD=pad(out.hidden_BTD), taps_BTND=pad(out.taps_BTND)),
+              n_B, pad(emitted_B1))
+
+    # Exactly one of the two forwards runs, each in a loop of 0 or 1 trips carrying the
+    # cache and the result (`_once_if`).
+    blank = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(wide, state.cache))
+    result = (blank[0]._replace(cache=state.cache),) + blank[1:]
+    any_proposed = jnp.any((num_proposed_B > 0) & ~state.done_B)
+    result = _once_if(any_proposed, lambda r: wide(r[0].cache), result)
+    return _once_if(~any_proposed, lambda r: anchor_only(r[0].cache), result)
+
   def step_fn(self, target_params, drafter_params, state: DecodeState,
               proposal: Optional[Proposal] = None) -> DecodeState:
     """One draft → verify → accept → commit step for every live row."""
@@ -134,13 +176,8 @@ class SpeculativeEngine:
     anchor_B = state.tokens_BL[rows, state.num_tokens_B - 1]
     start_B = state.cache.lengths_B
     verify_BG1 = jnp.concatenate([anchor_B[:, None], proposal.tokens_BG], axis=1)
-    out = target(verify_BG1, cache=state.cache, taps=self.drafter.taps)
-    if self.sampling.greedy:
-      n_B, emitted_BG1 = greedy_verify(proposal.tokens_BG, num_proposed_B, out.logits_BTV)
-    else:
-      n_B, emitted_BG1 = rejection_verify_logits(
-          key_verify, proposal.tokens_BG, num_proposed_B, proposal.q_BGV, out.logits_BTV,
-          lambda x: processed_probs(x, self.sampling, state.temperature, state.top_p))
+    out, n_B, emitted_BG1 = self._verify(target, key_verify, state, verify_BG1, proposal,
+                                         num_proposed_B)
 
     # Commit: cut at the first stop token and at the budget; done rows write nothing.
     live_B = ~state.done_B
@@ -226,6 +263,13 @@ class SpeculativeEngine:
 
   def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
     return _programs(self)['step'](target_params, drafter_params, state, proposal)
+
+
+def _once_if(pred, fn, carry):
+  """`fn(carry)` if `pred` else `carry`, as a while loop of 0 or 1 trips: XLA updates a
+  loop-carried buffer (the KV cache) in place, where a `lax.cond` branch copies it."""
+  return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32),
+                            lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), carry))[1]
 
 
 @functools.lru_cache(maxsize=64)
