@@ -199,7 +199,7 @@ def main(argv):
   engine = lambda d: SpeculativeEngine(graphdef, drafter=d, sampling=spec,
                                        stop_ids=stop_ids)
 
-  # method -> (engine or controller, drafter params, host drafter, host fallback engine)
+  # method -> (engine or controller, drafter params, host drafter?, host AR fallback)
   methods = {'ar': (engine(drafter_lib.NoDrafter()), None, None, None)}
   info = {'ar': {'drafter': None, 'verify_length': 'fixed', 'num_draft': 0}}
   controllers, skipped, tiers_of = {}, {}, {}

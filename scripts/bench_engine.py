@@ -9,7 +9,20 @@
    process. Goal: measured within 10% of the model.
 2. Prompt lookup and suffix decoding on code-editing prompts (the answer repeats prompt
    text), AR baseline in the same run. Goal: speedup > 1.5x.
+3. `--no_proposal`: the cost of an engine step whose drafter proposes nothing vs an AR step
+   (goal: within 5%), at --batch_sizes, from a prompt of distinct tokens: the controller's
+   tier 0 (`TruncatedDrafter(d, 0)`: verify width 1, the drafter's state still updated) for
+   n-gram and for --learned drafters, n-gram at γ with no match (prompts of random tokens,
+   redrawn until n-gram proposes nothing over the timed steps), and an empty γ-wide proposal
+   (what a host drafter's device step verifies when it has nothing); for reference, a step
+   that verifies γ drafts (the oracle, every draft rejected).
+   `--steps` steps per timed run; the runs interleave the engines round by round (the CPU
+   may be shared: same-process interleaved medians), and per-round ratios to AR's time of
+   the same round are reported as medians too, for wall and for process CPU time.
 All timings: warm-up first (compile excluded), then the median of --repeats runs.
+
+  python scripts/bench_engine.py --checkpoint=demo/target --no_proposal \
+      --learned=mtp:demo/mtp,dflash:demo/dflash --repeats=15
 """
 
 import json
@@ -31,6 +44,13 @@ _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'dspec target checkpoint i
 _NEW_TOKENS = flags.DEFINE_integer('new_tokens', 96, 'Tokens to generate per prompt.')
 _GAMMA = flags.DEFINE_integer('gamma', 7, 'Draft length for the overhead study.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs (median reported).')
+_NO_PROPOSAL = flags.DEFINE_bool('no_proposal', False, 'Measure steps whose drafter proposes '
+                                 'nothing against AR steps instead (study 3).')
+_BATCHES = flags.DEFINE_list('batch_sizes', ['1', '16'], 'Batch sizes of study 3.')
+_STEPS = flags.DEFINE_integer('steps', 4, 'Engine steps per timed run (study 3; prompts are '
+                              'drawn so that n-gram finds no match over them).')
+_LEARNED = flags.DEFINE_list('learned', [], 'Study 3: learned drafters as name:path '
+                             '(e.g. mtp:demo/mtp,dflash:demo/dflash), timed at tier 0.')
 
 # Code-editing style: the answer is expected to repeat most of the prompt's code.
 EDIT_PROMPT = '''# Rename the variable `total` to `acc` in this function.
@@ -45,6 +65,96 @@ def running_sum(values):
 # After the rename:
 def running_sum(values):
 '''
+
+
+def _no_match_prompts(ngram_engine, params, batch: int, steps: int, new_tokens: int,
+                      vocab: int, tries: int = 100) -> np.ndarray:
+  """[batch, 64] prompts of distinct random tokens on which the n-gram engine proposes
+  nothing for `steps` steps (rows that got a proposal are redrawn)."""
+  rng = np.random.default_rng(0)
+  draw = lambda: rng.choice(np.arange(3, vocab), 64, replace=False).astype(np.int32)
+  prompt = np.stack([draw() for _ in range(batch)])
+  lens = np.full((batch,), prompt.shape[1], np.int32)
+  for _ in range(tries):
+    state = ngram_engine.prefill(params, None, prompt, lens, max_new_tokens=new_tokens)
+    proposed = np.asarray(ngram_engine.run(params, None, state, steps).stats.proposed_B)
+    if not proposed.any():
+      return prompt
+    for r in np.nonzero(proposed)[0]:
+      prompt[r] = draw()
+  raise ValueError(f'no {batch} prompts without an n-gram match over {steps} steps in '
+                   f'{tries} tries; try fewer --steps')
+
+
+def no_proposal_study(cfg, target, graphdef, params, stop_ids) -> dict:
+  """Per-step seconds of engines that propose nothing vs AR (study 3)."""
+  import statistics
+  import time
+
+  import jax
+
+  from dspec.decoding.drafter import TruncatedDrafter
+  from dspec.decoding.drafters import registry
+  from dspec.decoding.drafters.ngram import NgramDrafter
+  from dspec.decoding.drafters.oracle import OracleDrafter
+  from dspec.decoding.drafters.suffix import SuffixDrafter
+  from dspec.decoding.engine import SpeculativeEngine
+
+  g, steps = _GAMMA.value, _STEPS.value
+  if not 1 <= steps < _NEW_TOKENS.value:
+    raise ValueError(f'--steps must be in [1, --new_tokens), got {steps}')
+  ngram = NgramDrafter(num_draft=g, min_n=1, max_n=4)
+  drafters = {'ar': (None, None), 'ngram tier 0': (TruncatedDrafter(ngram, 0), None)}
+  for entry in _LEARNED.value:
+    name, _, path = entry.partition(':')
+    if name not in cfg.drafters or not path:
+      raise ValueError(f'--learned takes name:path entries, got {entry!r}')
+    cfg.drafter, cfg.drafters[name].path = name, path
+    inner, dparams = registry.build_drafter(cfg, target)
+    drafters[f'{name} tier 0'] = (TruncatedDrafter(inner, 0), dparams)
+  drafters[f'ngram γ={g}, no match'] = (ngram, None)
+  # What a host drafter's device step runs when it has nothing: width γ + 1, no search.
+  drafters[f'empty γ={g} proposal'] = (SuffixDrafter(num_draft=g), None)
+  # For reference, a step that does verify γ drafts (all rejected: one token per step).
+  drafters[f'oracle γ={g}, verified'] = (OracleDrafter(num_draft=g, acceptance=(0.0,)), None)
+  engines = {m: (SpeculativeEngine(graphdef, drafter=d, stop_ids=stop_ids) if d else
+                 SpeculativeEngine(graphdef, stop_ids=stop_ids), p)
+             for m, (d, p) in drafters.items()}
+  out = {'gamma': g, 'steps_per_run': steps, 'repeats': _REPEATS.value, 'batch': {}}
+  for b in (int(x) for x in _BATCHES.value):
+    prompt = _no_match_prompts(engines[f'ngram γ={g}, no match'][0], params, b, steps,
+                               _NEW_TOKENS.value, target.cfg.vocab_size)
+    lens = np.full((b,), prompt.shape[1], np.int32)
+    # Buffers sized for --new_tokens, as a generation's (γ slots longer than AR's).
+    states = {m: e.prefill(params, p, prompt, lens, max_new_tokens=_NEW_TOKENS.value)
+              for m, (e, p) in engines.items()}
+    # Wall and process CPU seconds per step: on a shared CPU the CPU time is the steadier.
+    times = {(m, clock): [] for m in engines for clock in ('wall', 'cpu')}
+    proposed = {}
+    for r in range(_REPEATS.value + 1):     # round 0 compiles
+      for m, (e, p) in engines.items():
+        state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), states[m]))
+        t0, c0 = time.perf_counter(), time.process_time()
+        end = jax.block_until_ready(e.run(params, p, state, steps))
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        done = max(int(end.step) - int(states[m].step), 1)
+        proposed[m] = int(np.sum(end.stats.proposed_B))
+        if r:
+          times[m, 'wall'].append(dt / done)
+          times[m, 'cpu'].append(dc / done)
+    row = {}
+    for m in engines:
+      row[m] = {'proposed_tokens': proposed[m]}
+      for clock in ('wall', 'cpu'):
+        ratios = [t / a for t, a in zip(times[m, clock], times['ar', clock])]
+        row[m].update({f'{clock}_step_ms': 1e3 * statistics.median(times[m, clock]),
+                       f'{clock}_over_ar': statistics.median(ratios)})
+      print(f'B={b:3d} {m:24s} wall {row[m]["wall_step_ms"]:8.3f} ms/step '
+            f'{row[m]["wall_over_ar"]:.3f}× AR, cpu {row[m]["cpu_step_ms"]:8.3f} ms/step '
+            f'{row[m]["cpu_over_ar"]:.3f}× AR (proposed {proposed[m]})', flush=True)
+    out['batch'][str(b)] = row
+    jax.clear_caches()
+  return out
 
 
 def main(argv):
@@ -85,6 +195,14 @@ def main(argv):
     state = go()
     t = median_time(go, repeats=_REPEATS.value, warmup=0)
     return state, t
+
+  if _NO_PROPOSAL.value:
+    result = {'model': _CHECKPOINT.value or _PRESET.value,
+              'no_proposal': no_proposal_study(cfg, target, graphdef, params, stop_ids)}
+    print(json.dumps(result, indent=1))
+    if _OUT.value:
+      write_json_atomic(_OUT.value, result)
+    return
 
   ar_engine = SpeculativeEngine(graphdef, stop_ids=stop_ids)
   ar_state, t_ar_total = run(ar_engine)
