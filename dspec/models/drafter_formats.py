@@ -285,32 +285,44 @@ def _torch_name(dspec_name: str, codebook_suffix: bool) -> tuple:
   return name, False
 
 
-def _fill(drafter: DFlashModel, path: str, tensors: dict) -> None:
-  """Reads every param of the (abstract) drafter from `tensors` {name: (file, name)}."""
-  state = nnx.state(drafter, nnx.Param)
+def fill_params(model: nnx.Module, path: str, tensors: dict, locate) -> None:
+  """Reads every param of the (abstract) `model` from safetensors, in place.
+
+  tensors: {key: (file, stored name)}; locate(dspec param path) -> (key, transposed from
+  torch's [out, in]). A key not in `tensors` is a missing tensor, and a tensor no param
+  read is an error: both FormatErrors naming the tensor (and its file)."""
+  state = nnx.state(model, nnx.Param)
   abstract = nnx.to_pure_dict(state)
-  flat = leaf_paths(abstract)
   used = set()
   with contextlib.ExitStack() as stack:
     handles = {}
 
     def read(dspec_name, leaf):
-      candidates = [_torch_name(dspec_name, True), _torch_name(dspec_name, False)]
-      found = [c for c in candidates if c[0] in tensors]
-      if not found:
-        raise FormatError(f'{path}: tensor {candidates[0][0]!r} is missing')
-      name, transpose = found[0]
-      used.add(name)
-      return read_tensor(stack, handles, tensors[name], name, leaf, transpose)
+      key, transpose = locate(dspec_name)
+      if key not in tensors:
+        raise FormatError(f'{path}: tensor {key!r} is missing')
+      used.add(key)
+      return read_tensor(stack, handles, *tensors[key], leaf, transpose)
 
     params = jax.tree.unflatten(jax.tree.structure(abstract),
-                                [read(name, leaf) for name, leaf in flat.items()])
+                                [read(n, leaf) for n, leaf in leaf_paths(abstract).items()])
   extra = sorted(set(tensors) - used)
   if extra:
-    raise FormatError(f'{tensors[extra[0]]}: unexpected tensor {extra[0]!r} '
+    file, name = tensors[extra[0]]
+    raise FormatError(f'{file}: unexpected tensor {name!r} '
                       f'({len(extra)} the config does not use)')
   nnx.replace_by_pure_dict(state, params)
-  nnx.update(drafter, state)
+  nnx.update(model, state)
+
+
+def _fill(drafter: DFlashModel, path: str, tensors: dict) -> None:
+  """Reads every param of the (abstract) drafter from `tensors` {name: file}."""
+
+  def locate(dspec_name):
+    candidates = [_torch_name(dspec_name, True), _torch_name(dspec_name, False)]
+    return next((c for c in candidates if c[0] in tensors), candidates[0])
+
+  fill_params(drafter, path, {name: (file, name) for name, file in tensors.items()}, locate)
 
 
 def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',

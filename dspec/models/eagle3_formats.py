@@ -19,11 +19,9 @@ Every format error is one line naming the key or tensor and the file.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,8 +32,8 @@ from dspec.files import write_atomic, write_json_atomic
 from dspec.hf_import import _open_safetensors, _tensor_files
 from dspec.models.config import TransformerConfig
 from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
-                                          _verifier_depth, layer_rope_theta, read_config,
-                                          read_tensor)
+                                          _verifier_depth, fill_params, layer_rope_theta,
+                                          read_config)
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  load_dspec_eagle3)
 
@@ -117,28 +115,12 @@ def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict
     model = nnx.eval_shape(lambda: Eagle3Model(cfg, shapes, rngs=nnx.Rngs(0)))
   except (TypeError, ValueError) as e:
     raise FormatError(f'{file}: {e}') from None
-  state = nnx.state(model, nnx.Param)
-  abstract = nnx.to_pure_dict(state)
-  used = set()
-  with contextlib.ExitStack() as stack:
-    handles = {}
+  def locate(dspec_name):
+    if dspec_name.endswith('.kernel'):
+      return dspec_name[:-len('kernel')] + 'weight', True
+    return dspec_name, False
 
-    def read(dspec_name, leaf):
-      transpose = dspec_name.endswith('.kernel')
-      name = dspec_name[:-len('kernel')] + 'weight' if transpose else dspec_name
-      if name not in by_name:
-        raise FormatError(f'{path}: tensor {name!r} is missing')
-      used.add(name)
-      return read_tensor(stack, handles, *by_name[name], leaf, transpose)
-
-    params = jax.tree.unflatten(jax.tree.structure(abstract),
-                                [read(n, leaf) for n, leaf in leaf_paths(abstract).items()])
-  extra = sorted(set(by_name) - used)
-  if extra:
-    raise FormatError(f'{by_name[extra[0]][0]}: unexpected tensor {by_name[extra[0]][1]!r} '
-                      f'({len(extra)} the config does not use)')
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
+  fill_params(model, path, by_name, locate)
   return model
 
 

@@ -33,11 +33,9 @@ directory loads as the target (`hf_import` skips the MTP layers).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -47,7 +45,7 @@ from dspec.checkpoint import leaf_paths
 from dspec.files import write_atomic, write_json_atomic
 from dspec.hf_import import _open_safetensors, _tensor_files, config_from_hf
 from dspec.models.config import TransformerConfig
-from dspec.models.drafter_formats import FormatError, _Keys, _read_json, read_config, read_tensor
+from dspec.models.drafter_formats import FormatError, _Keys, _read_json, fill_params, read_config
 from dspec.models.mtp import MTP, MTPConfig, load_dspec_mtp
 
 # Per-depth (non-block) leaves: dspec name -> (stored name, transposed).
@@ -123,28 +121,11 @@ def _build(path: str, cfg: MTPConfig, shapes: TransformerConfig, tensors: dict,
     model = nnx.eval_shape(lambda: MTP(cfg, shapes, rngs=nnx.Rngs(0)))
   except ValueError as e:
     raise FormatError(f'{os.path.join(path, "config.json")}: {e}') from None
-  state = nnx.state(model, nnx.Param)
-  abstract = nnx.to_pure_dict(state)
-  used = set()
-  with contextlib.ExitStack() as stack:
-    handles = {}
+  def locate(dspec_name):
+    _, j, leaf_name = dspec_name.split('.', 2)
+    return stored_name(int(j), leaf_name)
 
-    def read(dspec_name, leaf):
-      _, j, leaf_name = dspec_name.split('.', 2)
-      name, transpose = stored_name(int(j), leaf_name)
-      if name not in tensors:
-        raise FormatError(f'{path}: tensor {name!r} is missing')
-      used.add(name)
-      return read_tensor(stack, handles, tensors[name], name, leaf, transpose)
-
-    params = jax.tree.unflatten(jax.tree.structure(abstract),
-                                [read(n, leaf) for n, leaf in leaf_paths(abstract).items()])
-  extra = sorted(set(tensors) - used)
-  if extra:
-    raise FormatError(f'{tensors[extra[0]]}: unexpected tensor {extra[0]!r} '
-                      f'({len(extra)} the config does not use)')
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
+  fill_params(model, path, {name: (file, name) for name, file in tensors.items()}, locate)
   return model
 
 

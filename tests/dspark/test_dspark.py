@@ -98,14 +98,22 @@ def test_calibration_fits_a_miscalibrated_head():
   np.testing.assert_allclose(report['temperatures'], 3.0, rtol=0.1)
 
 
-def test_greedy_equals_ar_in_a_ragged_batch_with_differing_verify_lengths(toy):
-  drafter = dataclasses.replace(toy['drafter'], verify_cost=0.15)
+def _ragged_start(toy, drafter):
+  """(engine, jitted propose, state prefilled with [PROMPT, OTHER]) for `drafter`."""
   engine = SpeculativeEngine(toy['graphdef'], drafter=drafter)
-  target, params, dparams = toy['target'], toy['params'], toy['dparams']
+  target = toy['target']
   propose = jax.jit(lambda dp, st: drafter.propose(dp, st.drafter_state, target,
                                                    engine.context(st), jax.random.key(0)))
   prompt_BP, lens = pad_prompts([PROMPT, OTHER])
-  state = engine.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  state = engine.prefill(toy['params'], toy['dparams'], prompt_BP, lens,
+                         max_new_tokens=NEW_TOKENS)
+  return engine, propose, state
+
+
+def test_greedy_equals_ar_in_a_ragged_batch_with_differing_verify_lengths(toy):
+  drafter = dataclasses.replace(toy['drafter'], verify_cost=0.15)
+  params, dparams = toy['params'], toy['dparams']
+  engine, propose, state = _ragged_start(toy, drafter)
   lengths = []
   while not bool(np.all(state.done_B)):
     live = ~np.asarray(state.done_B)
@@ -156,13 +164,8 @@ def test_cost_table_fits_the_load_aware_verify_cost():
 def test_load_aware_verify_cost_sets_the_verify_lengths_without_recompiling(toy):
   """λ from a table where verify is nearly free: every row verifies its whole block; from
   one where it is expensive: rows verify fewer. One compiled proposal serves both."""
-  drafter = toy['drafter']
-  engine = SpeculativeEngine(toy['graphdef'], drafter=drafter)
-  target, params, dparams = toy['target'], toy['params'], toy['dparams']
-  propose = jax.jit(lambda dp, st: drafter.propose(dp, st.drafter_state, target,
-                                                   engine.context(st), jax.random.key(0)))
-  prompt_BP, lens = pad_prompts([PROMPT, OTHER])
-  state = engine.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  drafter, dparams = toy['drafter'], toy['dparams']
+  _, propose, state = _ragged_start(toy, drafter)
   assert float(state.drafter_state.verify_cost) == pytest.approx(drafter.verify_cost)
   lengths = {}
   for lam in (1e-4, 1.0):

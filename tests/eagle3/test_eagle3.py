@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import TINY, generate
+from conftest import TINY, generate, greedy_rows
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.engine import SpeculativeEngine
@@ -258,18 +258,6 @@ def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
 # ------------------------------------------------------------------------- training
 
 
-def _greedy_rows(target, rows=48, prompt_len=10, new=22, seed=0):
-  """The target's greedy continuations of random prompts (self-distilled rows)."""
-  tokens = np.zeros((rows, prompt_len + new), np.int32)
-  tokens[:, :prompt_len] = np.random.default_rng(seed).integers(1, 64, (rows, prompt_len))
-  step = jax.jit(lambda t, x, p: jnp.argmax(t(x).logits_BTV[:, p - 1], axis=-1))
-  for p in range(prompt_len, prompt_len + new):
-    tokens[:, p] = np.asarray(step(target, tokens, p))
-  loss_mask = np.zeros_like(tokens, bool)
-  loss_mask[:, prompt_len:] = True
-  return tokens, loss_mask
-
-
 def test_training_lowers_loss_and_exports(tiny_model, tmp_path):
   """TTT training (3 steps, reduced head from the written-token counts) on the tiny
   target's own outputs lowers every step's loss; the export loads as a drafter."""
@@ -278,7 +266,7 @@ def test_training_lowers_loss_and_exports(tiny_model, tmp_path):
   cfg = eagle3_demo.get_config('tiny,vocab=40')
   cfg.training.update(num_steps=60, batch_size=8, eval_every=60, log_every=60,
                       ckpt_every=1000, eval_windows=8)
-  tokens, loss_mask = _greedy_rows(tiny_model)
+  tokens, loss_mask = greedy_rows(tiny_model, new=22)
   task = eagle3_task.make_task(cfg, tiny_model, tokens, loss_mask)
   assert len(task.model.cfg.draft_vocab) == 40
   before = task.evaluate(task.model, tiny_model)

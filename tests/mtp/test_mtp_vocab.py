@@ -8,13 +8,12 @@ equals AR and sampled output follows the target (chi-square on the first token a
 """
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY, generate
+from conftest import TINY, generate, greedy_rows
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.models.mtp import MTP, MTPConfig, load_mtp
@@ -111,22 +110,11 @@ def test_sampled_reduced_mtp_is_lossless(small_vocab_model):
 # ------------------------------------------------------------------------- training
 
 
-def _greedy_rows(target, rows=48, prompt_len=10, new=20, seed=0):
-  """The target's greedy continuations of random prompts (self-distilled rows)."""
-  tokens = np.zeros((rows, prompt_len + new), np.int32)
-  tokens[:, :prompt_len] = np.random.default_rng(seed).integers(1, 64, (rows, prompt_len))
-  step = jax.jit(lambda t, x, p: jnp.argmax(t(x).logits_BTV[:, p - 1], axis=-1))
-  for p in range(prompt_len, prompt_len + new):
-    tokens[:, p] = np.asarray(step(target, tokens, p))
-  loss_mask = np.zeros_like(tokens, bool)
-  loss_mask[:, prompt_len:] = True
-  return {'tokens': tokens, 'loss_mask': loss_mask}
-
-
 def test_posthoc_training_with_reduced_vocab(tiny_model, tiny_split, tmp_path):
   """The subset is the most target-written tokens of the training rows; training lowers
   every depth's loss; the export keeps the subset and decodes greedy == AR, accepting."""
-  data = _greedy_rows(tiny_model)
+  tokens, loss_mask = greedy_rows(tiny_model)
+  data = {'tokens': tokens, 'loss_mask': loss_mask}
   tcfg = ml_collections.ConfigDict(dict(
       num_steps=80, batch_size=8, seq_len=29, learning_rate=1e-2, warmup_ratio=0.05,
       weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.95, seed=0, log_every=80,
