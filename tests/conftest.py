@@ -1,10 +1,13 @@
 """Shared tiny models: built once per session so jitted programs are reused across tests."""
 
+import gc
 import os
 import sys
 
-import pytest
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,6 +16,25 @@ sys.path.insert(0, REPO_ROOT)   # `configs` is a folder of the repo, not an inst
 from dspec.decoding.prompts import generated_ids, pad_prompts  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
+
+# XLA:CPU maps every compiled program's code in several memory mappings; a whole-suite
+# process would pass the kernel's vm.max_map_count (65530 by default) and segfault inside
+# the compiler. Past this many mappings the compiled programs are dropped (they recompile).
+MAX_MEMORY_MAPS = 40_000
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+  yield
+  try:
+    with open('/proc/self/maps') as f:
+      count = sum(1 for _ in f)
+  except OSError:   # no procfs: nothing to watch
+    return
+  if count > MAX_MEMORY_MAPS:
+    jax.clear_caches()
+    gc.collect()
+
 
 TINY = TransformerConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,
                          num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
@@ -56,3 +78,17 @@ def generate(engine, params, drafter_params, prompts, max_new_tokens, **kw):
                            max_new_tokens=max_new_tokens, **kw)
     state = engine.generate(params, drafter_params, state)
   return generated_ids(state), state
+
+
+def greedy_rows(target, rows=48, prompt_len=10, new=20, seed=0):
+  """(tokens, loss_mask) of the target's greedy continuations of random prompts: rows in
+  the self-distilled data format, the continuation supervised."""
+  tokens = np.zeros((rows, prompt_len + new), np.int32)
+  tokens[:, :prompt_len] = np.random.default_rng(seed).integers(1, 64, (rows, prompt_len))
+  step = jax.jit(lambda t, x, p: jnp.argmax(t(x).logits_BTV[:, p - 1], axis=-1))
+  for p in range(prompt_len, prompt_len + new):
+    tokens[:, p] = np.asarray(step(target, tokens, p))
+  loss_mask = np.zeros_like(tokens, bool)
+  loss_mask[:, prompt_len:] = True
+  return tokens, loss_mask
+

@@ -299,6 +299,8 @@ def test_decode_cli_with_a_trained_drafter(toy, tmp_path):
          '--config.model.source=checkpoint', f'--config.model.path={toy["target_dir"]}',
          f'--config.drafters.dflash.path={toy["cfg"].drafters.dflash.path}',
          '--config.compare_ar=True', f'--config.max_new_tokens={NEW_TOKENS}',
+         # τ of the drafter itself: the default controller picks tiers from wall timings
+         '--config.verify_length=fixed',
          '--prompt_ids=' + ','.join(map(str, PROMPT)), f'--metrics_json={metrics}']
   result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]

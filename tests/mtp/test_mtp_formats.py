@@ -4,7 +4,8 @@ MTP layers, imported as dspec's chained MTP drafter.
 Parity: the same random weights give dspec's depth logits equal to speculators'
 `MTPDraftModel.forward` (read from a directory speculators itself saved) and to a torch
 reference of DeepSeek-V3's formula built from transformers' Qwen3 decoder layer (read by
-the DeepSeek tensor names), within 1e-4. Also: speculators-form round trip, the target
+the DeepSeek tensor names), within 1e-4. Also: speculators-form round trip (API and
+scripts/export_drafter.py), the target
 loading from the same HF directory, greedy decoding == AR through the registry and the
 CLI, and bad input as one line naming the key / tensor and the file.
 """
@@ -31,7 +32,7 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.hf_export import hf_config_dict, hf_state_dict
 from dspec.models import mtp_formats
 from dspec.models.config import TransformerConfig
-from dspec.models.mtp import MTP, MTPConfig, load_mtp
+from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp
 from dspec.models.transformer import Transformer
 from speculators_import import speculators_module
 
@@ -116,7 +117,6 @@ def test_speculators_saved_mtp_matches_speculators(tiny_model, tmp_path):
 def test_speculators_round_trip(tiny_model, tmp_path):
   """dspec -> speculators form -> dspec keeps every weight; speculators reads the same
   directory and gives the same logits."""
-  import torch
   spec = speculators_module('models.mtp')
   mtp = MTP(MTPConfig(num_depths=2, shared_depth=True), TINY, rngs=nnx.Rngs(4))
   mtp.depths[0].layer.mlp.down_proj.kernel[...] *= 10.0
@@ -143,6 +143,35 @@ def test_speculators_round_trip(tiny_model, tmp_path):
   with pytest.raises(ValueError, match='shared_depth=False has no speculators form'):
     mtp_formats.save_speculators(tmp_path / 'x', MTP(MTPConfig(num_depths=2), TINY,
                                                      rngs=nnx.Rngs(0)))
+
+
+
+def test_export_drafter_writes_speculators_form(tmp_path):
+  """scripts/export_drafter.py: a dspec MTP checkpoint (kind from its metadata) exports in
+  speculators form with every weight kept; an MTP that form cannot express is one error
+  line and leaves no output."""
+  mtp = MTP(MTPConfig(num_depths=3, shared_depth=True), TINY, rngs=nnx.Rngs(5))
+  save_mtp(tmp_path / 'ckpt', mtp)
+  export = [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py')]
+  proc = subprocess.run(export + [f'--path={tmp_path / "ckpt"}', f'--out={tmp_path / "out"}'],
+                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'mtp drafter in speculators form, 3 depths' in proc.stdout
+  back = load_mtp(str(tmp_path / 'out'), target_cfg=TINY)
+  assert json.loads((tmp_path / 'out' / 'config.json').read_text())[
+      'speculators_model_type'] == 'mtp' and back.cfg == mtp.cfg
+  for (name, a), b in zip(leaf_paths(nnx.to_pure_dict(nnx.state(mtp, nnx.Param))).items(),
+                          leaf_paths(nnx.to_pure_dict(nnx.state(back, nnx.Param))).values()):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+  save_mtp(tmp_path / 'chained', MTP(MTPConfig(num_depths=2), TINY, rngs=nnx.Rngs(0)))
+  proc = subprocess.run(export + [f'--path={tmp_path / "chained"}',
+                                  f'--out={tmp_path / "out2"}'],
+                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+      'error: mtp shared_depth=False has no speculators form (one shared Qwen3 layer, '
+      "emb-first, post-norm, full vocabulary, the verifier's embedding and head)"]
+  assert not (tmp_path / 'out2').exists()
 
 
 # ----------------------------------------------------------------- DeepSeek-V3 layout
