@@ -23,16 +23,16 @@ prompts each, 128 new tokens, T in {0, 1}, batch {1, 16}; ngram (γ = 7, trainin
 reference) and the learned family at their trained sizes (num_draft 0): mtp, eagle3, dflash,
 dflash2 (a DFlash-2 checkpoint, loaded by the dflash drafter), dspark from demo/<method>;
 a checkpoint directory that does not exist yet is skipped, with the reason in meta.json
-and results.md. Every drafter runs twice: verify_length auto (the default, the speedup that
-counts) and fixed (every step verifies the whole proposal: τ and the per-position
-acceptance curve measure the drafter alone; under auto they pool the controller's tiers).
-Draft / verify cost is timed once per method and batch size. One timed run per batch
-(timing_repeats 1), no transformers peer. A few hours on a 2-core CPU;
---config.bench.verify_lengths="('auto',)" halves the drafter runs.
-Expected (family): results.json rows per dataset × T × batch × method × verify length with
-tau, per_position_acceptance_conditional, speedup, lossless_fraction (1.0 at T=0),
-draft_over_verify and, under auto, tier_steps; results.md with the per-condition family
-tables; plots incl. conditional_acceptance_T*_b*.png (one line per method).
+and results.md. Drafters run under the default verify length (auto: the load-aware
+controller); the per-position conditional acceptance counts only the positions a step
+verified, so it is exact under the controller's tiers too.
+--config.bench.verify_lengths="('auto','fixed')" adds full-γ verification rows. Draft /
+verify cost is timed once per method and batch size. One timed run per batch
+(timing_repeats 1), no transformers peer. A few hours on a 2-core CPU.
+Expected (family): results.json rows per dataset × T × batch × method with tau,
+per_position_acceptance_conditional, speedup, lossless_fraction (1.0 at T=0),
+draft_over_verify and tier_steps; results.md with the per-condition family tables; plots
+incl. conditional_acceptance_T*_b*.png (one line per method).
 Expected (others): results.json / results.md / plots; lossless_fraction 1.0 at T=0; the
 peer section compares dspec with transformers generate (AR, prompt lookup, assisted).
 """
@@ -86,7 +86,7 @@ def get_config(arg=None):
     b.method_sizes = {'ngram': (7,), **{m: (0,) for m in b.methods[1:]}}   # 0: trained size
     b.temperatures = (0.0, 1.0)
     b.batch_sizes = (1, 16)
-    b.verify_lengths = ('auto', 'fixed')
+    b.verify_lengths = ('auto',)
     b.draft_cost_repeats = 10
     b.hf_peer = False
   return cfg

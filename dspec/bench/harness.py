@@ -77,7 +77,8 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
 from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
-_STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B')
+_STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B',
+                'reached_BG', 'passed_BG')
 
 
 def load_dataset(name: str, data_dir: str, limit: int) -> list:
@@ -172,9 +173,10 @@ def run_batches(engines: Engines, target_params, batches: list, settings: runner
     result.tier_steps = {}
   factory = host_factory
   if fallback is not None:
-    def factory():
+    def counting_factory():
       fallback.marks = []   # one generation per host drafter: count the last one only
       return host_factory()
+    factory = counting_factory
   for i, batch in enumerate(batches):
     timed = runner.timed_generation(engine, target_params, drafter_params, batch.prompt_BP,
                                     batch.lens, settings, factory, fallback)
@@ -296,6 +298,8 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
       'per_position_acceptance': metrics['per_position_acceptance'],
       'per_position_acceptance_conditional': metrics['per_position_acceptance_conditional'],
       'tau_histogram': metrics['tau_histogram'], 'verify_steps': metrics['verify_steps'],
+      'position_reached': metrics['position_reached'],
+      'position_passed': metrics['position_passed'],
       'speedup': tps / ar_tps, 'tokens_per_s': tps, 'ar_tokens_per_s': ar_tps,
       'decode_s': float(np.sum(res.decode_s)), 'new_tokens': int(np.sum(res.new_tokens)),
       'lossless_fraction': lossless,

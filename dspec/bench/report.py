@@ -10,10 +10,10 @@ Per condition (T, batch), `condition_table` gives every method × size: τ and s
 dataset, τ token-weighted over datasets, the geometric-mean and lowest speedup, the lowest
 lossless_fraction, draft / verify cost and the controller's tier usage; and one plot
 (`condition_plot_name`) of the per-position conditional acceptance P(n >= k | n >= k-1),
-one line per method, from the τ histograms summed over datasets (every verify step counts
-once: token-weighted, not a mean of per-dataset curves). A method run both ways is drawn
-from its fixed rows only: under auto a step at tier γ stops at γ and tier 0 accepts nothing,
-which would read as rejections; a method run only under auto is drawn dashed, so labelled.
+one line per method and size, from the per-position counters summed over datasets and
+verify lengths (each verified draft position counts once: token-weighted, not a mean of
+per-dataset curves; positions a step did not verify, as under a controller tier, are not
+counted as rejections).
 """
 
 from __future__ import annotations
@@ -144,7 +144,13 @@ def pooled_tau(sel) -> float:
 
 
 def pooled_conditional(sel) -> list:
-  """P(n >= k | n >= k-1), k = 1..γ, from the rows' τ histograms summed (every step once)."""
+  """P(n >= k | n >= k-1), k = 1..γ, pooled over rows from their per-position counters
+  (exact under any verify length); rows without counters (older runs) from their summed
+  τ histograms, exact only at a fixed verify length."""
+  if all('position_reached' in r for r in sel):
+    reached = [sum(col) for col in zip(*(r['position_reached'] for r in sel))]
+    passed = [sum(col) for col in zip(*(r['position_passed'] for r in sel))]
+    return [p / n if n else 0.0 for p, n in zip(passed, reached)]
   hist = [sum(col) for col in zip(*(r['tau_histogram'] for r in sel))]
   at_least = [sum(hist[k:]) for k in range(len(hist))]
   return [at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0
@@ -171,19 +177,13 @@ def condition_plot_name(temperature: float, batch_size: int) -> str:
 
 
 def _curves(rows, temperature, batch_size) -> list:
-  """[(label, size, conditional curve, dashed)] for one condition's plot: fixed rows of a
-  method run both ways; auto-only methods dashed (their curve pools the tiers)."""
+  """[(label, conditional curve)] for one condition's plot, one per method and draft size,
+  pooled over datasets and verify lengths."""
   sel = [r for r in _dspec(rows) if r['method'] != 'ar' and r['temperature'] == temperature
          and r['batch_size'] == batch_size]
-  fixed = {r['method'] for r in sel if r.get('verify_length') != 'auto'}
-  out = []
-  for method, size in _ordered((r['method'], r['num_draft']) for r in sel):
-    mine = [r for r in sel if r['method'] == method and r['num_draft'] == size
-            and (r.get('verify_length') != 'auto' or method not in fixed)]
-    auto = method not in fixed
-    out.append((f'{method} ({size})' + (', auto: tiers pooled' if auto else ''), size,
-                pooled_conditional(mine), auto))
-  return out
+  return [(f'{method} ({size})', pooled_conditional(
+      [r for r in sel if r['method'] == method and r['num_draft'] == size]))
+          for method, size in _ordered((r['method'], r['num_draft']) for r in sel)]
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -284,10 +284,9 @@ def make_plots(rows: list, out_dir: str) -> list:
   names = []
   for t, b in _conditions(rows):
     fig, ax = plt.subplots(figsize=(5.5, 3.6), layout='constrained')
-    for label_, _, curve, dashed in _curves(rows, t, b):
+    for label_, curve in _curves(rows, t, b):
       if curve:
-        ax.plot(range(1, len(curve) + 1), curve, '--' if dashed else '-', marker='.',
-                label=label_)
+        ax.plot(range(1, len(curve) + 1), curve, marker='.', label=label_)
     ax.set_ylim(0, 1.02)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel('draft position k')

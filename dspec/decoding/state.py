@@ -48,6 +48,10 @@ class DecodeStats:
   steps committed (after the cut at a stop token or the budget; the token the prefill
   emits is not a verify step's), so τ = committed / steps is exactly what was produced.
   `row0_committed_S` is row 0's committed count at each verify step (acceptance lengths).
+  Per draft position k (column k-1): `reached_BG` counts the steps that verified a draft
+  there with every earlier draft accepted, `passed_BG` those that also accepted it; their
+  ratio is the conditional acceptance P(n >= k | n >= k-1) even when the verify length
+  varies from step to step (controller tiers, n-gram misses, per-row lengths).
   """
 
   steps_B: jnp.ndarray              # verify steps taken while the row was live
@@ -56,16 +60,20 @@ class DecodeStats:
   proposed_B: jnp.ndarray           # draft tokens proposed (excludes empty slots)
   accepted_B: jnp.ndarray           # draft tokens accepted
   row0_committed_S: jnp.ndarray     # row 0: tokens committed at verify step s
+  reached_BG: jnp.ndarray           # steps that verified position k, drafts < k accepted
+  passed_BG: jnp.ndarray            # ... and accepted the draft at position k
 
   LOGICAL_AXES: ClassVar[dict] = {
       'steps_B': ('batch',), 'committed_B': ('batch',), 'accept_hist_BG1': ('batch', None),
-      'proposed_B': ('batch',), 'accepted_B': ('batch',), 'row0_committed_S': (None,)}
+      'proposed_B': ('batch',), 'accepted_B': ('batch',), 'row0_committed_S': (None,),
+      'reached_BG': ('batch', None), 'passed_BG': ('batch', None)}
 
   @classmethod
   def zeros(cls, batch: int, gamma: int, max_steps: int) -> 'DecodeStats':
     z = jnp.zeros((batch,), jnp.int32)
+    z_BG = jnp.zeros((batch, gamma), jnp.int32)
     return cls(z, z, jnp.zeros((batch, gamma + 1), jnp.int32), z, z,
-               jnp.zeros((max_steps,), jnp.int32))
+               jnp.zeros((max_steps,), jnp.int32), z_BG, z_BG)
 
 
 @struct.dataclass

@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import numpy as np
 import pytest
 
 from configs import bench_demo, bench_tiny, common_bench
@@ -245,15 +246,23 @@ def test_draft_cost_and_condition_report(both_modes):
     assert f'| {label} |' in text
   name = report.condition_plot_name(0.0, 1)
   assert name in meta['plots'] and os.path.getsize(os.path.join(out, name)) > 0
-  # The curve comes from the fixed rows (auto ones would count tier stops as rejections).
-  (label, _, curve, dashed), _ = report._curves(rows, 0.0, 1)
-  fixed = _by(rows, 'ngram', 'fixed')
-  assert label == 'ngram (4)' and not dashed
-  assert curve == pytest.approx(fixed['per_position_acceptance_conditional'])
+  # One curve per method, pooled over both verify lengths from the per-position counters.
+  (label, curve), _ = report._curves(rows, 0.0, 1)
+  fixed, auto = _by(rows, 'ngram', 'fixed'), _by(rows, 'ngram', 'auto')
+  reached = np.add(fixed['position_reached'], auto['position_reached'])
+  passed = np.add(fixed['position_passed'], auto['position_passed'])
+  assert label == 'ngram (4)' and reached[0] > 0
+  assert curve == pytest.approx(list(np.where(reached > 0, passed / np.maximum(reached, 1), 0)))
+  assert fixed['per_position_acceptance_conditional'] == pytest.approx(
+      list(np.where(np.asarray(fixed['position_reached']) > 0, np.asarray(
+          fixed['position_passed']) / np.maximum(fixed['position_reached'], 1), 0)))
 
 
 def test_pooled_conditional_is_step_weighted():
-  rows = [{'tau_histogram': [6, 2, 2]}, {'tau_histogram': [0, 0, 10]}]
+  rows = [{'position_reached': [10, 4], 'position_passed': [4, 2]},
+          {'position_reached': [10, 10], 'position_passed': [10, 9]}]
+  assert report.pooled_conditional(rows) == pytest.approx([14 / 20, 11 / 14])
+  rows = [{'tau_histogram': [6, 2, 2]}, {'tau_histogram': [0, 0, 10]}]   # older rows
   # at_least = [20, 14, 12]
   assert report.pooled_conditional(rows) == pytest.approx([14 / 20, 12 / 14])
   rows = [{'tau': 2.0, 'verify_steps': 10}, {'tau': 4.0, 'verify_steps': 30}]
@@ -280,7 +289,7 @@ def test_family_preset_plan():
   b = cfg.bench
   assert tuple(b.datasets) == common_bench.ALL_DATASETS and b.num_prompts == 10
   assert tuple(b.temperatures) == (0.0, 1.0) and tuple(b.batch_sizes) == (1, 16)
-  assert harness.verify_lengths(cfg) == ('auto', 'fixed') and not b.hf_peer
+  assert harness.verify_lengths(cfg) == ('auto',) and not b.hf_peer
   assert cfg.model.path == 'demo/target'
   plan, skipped = harness.plan_methods(cfg)
   learned = ('mtp', 'eagle3', 'dflash', 'dflash2', 'dspark')

@@ -46,3 +46,22 @@ def test_greedy_speculative_equals_ar(tiny_split, ar_outputs, name, drafter):
   assert accepted > 0, 'test prompts should exercise acceptance'
   if name == 'self':
     assert accepted == int(np.asarray(state.stats.proposed_B).sum())
+
+
+def test_per_position_counters_follow_the_trace(tiny_split):
+  """reached/passed per draft position equal a recount from row 0's per-step trace, where
+  the n-gram drafter's proposal length varies from step to step."""
+  engine = SpeculativeEngine(tiny_split[0], drafter=NgramDrafter(num_draft=5, min_n=1,
+                                                                 max_n=3), trace=True)
+  _, state = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  steps = int(state.stats.steps_B[0])
+  proposed = np.asarray(state.trace.num_proposed_S)[:steps]
+  accepted = np.asarray(state.trace.num_accepted_S)[:steps]
+  assert len(set(proposed.tolist())) > 1, 'the test needs varying proposal lengths'
+  k = np.arange(1, 6)[None, :]
+  reached = ((k <= proposed[:, None]) & (k <= accepted[:, None] + 1)).sum(0)
+  passed = ((k <= proposed[:, None]) & (k <= accepted[:, None])).sum(0)
+  np.testing.assert_array_equal(np.asarray(state.stats.reached_BG)[0], reached)
+  np.testing.assert_array_equal(np.asarray(state.stats.passed_BG)[0], passed)
+  np.testing.assert_array_equal(np.asarray(state.stats.passed_BG).sum(1),
+                                np.asarray(state.stats.accepted_B))
