@@ -11,7 +11,7 @@
    text), AR baseline in the same run. Goal: speedup > 1.5x.
 3. `--no_proposal`: the cost of an engine step whose drafter proposes nothing vs an AR step
    (goal: within 5%), at --batch_sizes, from a prompt of distinct tokens: the controller's
-   tier 0 (`TruncatedDrafter(d, 0)`: verify width 1, the drafter's state still updated) for
+   tier 0 (`TruncatedDrafter(d, 0)`: verify width 1, the drafter's `idle_update`) for
    n-gram and for --learned drafters, n-gram at γ with no match (prompts of random tokens,
    redrawn until n-gram proposes nothing over the timed steps), and an empty γ-wide proposal
    (what a host drafter's device step verifies when it has nothing); for reference, a step

@@ -23,8 +23,9 @@ estimates that lag behind a row leaving a repetitive stretch. `objective='makesp
 a tier instead by the time until the last live row would finish (static batches, where
 rows done early idle in the shape); the default maximises throughput as above.
 
-Tier 0 is plain AR (the drafter proposes nothing; its state is still updated so it stays
-in sync). Every tier runs the same verified speculative step, so the output is lossless by
+Tier 0 is plain AR: the drafter proposes nothing and `idle_update`s its state (MTP only
+records the target's hidden states and catches its depths up when a positive tier next
+proposes). Every tier runs the same verified speculative step, so the output is lossless by
 construction: greedy output equals AR, token for token. Acceptance is also learnt while
 verifying less than the largest tier, or nothing: when the largest tier's proposal is
 cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
@@ -220,8 +221,9 @@ def row_tokens(alpha_BG: np.ndarray, gamma: int) -> np.ndarray:
 def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
   """What the largest tier would propose now: (tokens [B, G], count [B], start [B])."""
   target = nnx.merge(engine.target_graphdef, target_params)
-  p = engine.drafter.propose(drafter_params, state.drafter_state, target,
-                             engine.context(state), jax.random.key(0))
+  ctx = engine.context(state)
+  dstate = engine.drafter.sync(drafter_params, state.drafter_state, target, ctx)
+  p = engine.drafter.propose(drafter_params, dstate, target, ctx, jax.random.key(0))
   return p.tokens_BG, p.num_proposed_B, state.num_tokens_B
 
 

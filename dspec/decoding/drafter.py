@@ -5,13 +5,18 @@ per-sequence state are pytrees passed in and out, so one jitted speculative step
 every drafter:
 
   state = drafter.init(params, target, ctx, prefill_out)
+  state = drafter.sync(params, state, target, ctx)
   proposal = drafter.propose(params, state, target, ctx, key)
   state = drafter.update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
 
 `ctx` is the committed sequence (`DraftContext`); `prefill_out` / `verify_out` are the target
 `TargetOutput`s (logits, post-norm hidden, requested taps). `update` sees the context after
 commit: verify position j (0..γ) sits at absolute position start_B + j and the first
-num_accepted_B + 1 of them are now committed.
+num_accepted_B + 1 of them are now committed. At the verify-length controller's tier 0
+(plain AR) the engine calls `idle_update` instead: a drafter whose update is costly (MTP's
+catch-up through every depth) may only record what it needs and leave the work to `sync`,
+which the engine calls before every proposal (a no-op when the state is current). The
+defaults are `update` and the identity.
 
 Contract:
   num_draft        γ, the most draft tokens one step proposes (static). It is the one
@@ -35,7 +40,8 @@ proposals into the same jitted step.
 Adding a drafter:
   1. One file in `dspec/decoding/drafters/`: a frozen dataclass with a `num_draft` field
      implementing this protocol (subclass `DrafterBase`, or `StatelessDrafter` when it
-     keeps no per-sequence state), plus `build(cfg, target) -> (drafter, params)` reading `cfg.drafters.<name>`.
+     keeps no per-sequence state), plus `build(cfg, target) -> (drafter, params)` reading
+     `cfg.drafters.<name>`.
   2. One line in `drafters/registry.py` naming that builder, and its config defaults in
      `configs/common.py: drafter_configs()` (with a `num_draft` field).
 The engine, the controller, batching, the CLI, the API and the benchmark harness then take
@@ -67,6 +73,11 @@ class Drafter(Protocol):
   def update(self, params, state, target, ctx: DraftContext, verify_out, start_B,
              num_accepted_B) -> Any: ...
 
+  def idle_update(self, params, state, target, ctx: DraftContext, verify_out, start_B,
+                  num_accepted_B) -> Any: ...
+
+  def sync(self, params, state, target, ctx: DraftContext) -> Any: ...
+
   def check_target(self, target_cfg) -> None: ...
 
   def with_num_draft(self, num_draft: int) -> 'Drafter': ...
@@ -89,6 +100,12 @@ class DrafterBase:
 
   def with_num_draft(self, num_draft: int):
     return dataclasses.replace(self, num_draft=num_draft)
+
+  def idle_update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return self.update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
+
+  def sync(self, params, state, target, ctx):
+    return state
 
 
 class StatelessDrafter(DrafterBase):
@@ -183,7 +200,8 @@ class NoDrafter(StatelessDrafter):
 @dataclasses.dataclass(frozen=True)
 class TruncatedDrafter:
   """`inner` (its state, update and taps) proposing at most `num_draft` of its tokens: a
-  controller tier for drafters whose state depends on their own draft length."""
+  controller tier for drafters whose state depends on their own draft length. With
+  num_draft 0 (the AR tier) it neither syncs nor updates: it `idle_update`s."""
 
   inner: Any
   num_draft: int
@@ -209,8 +227,15 @@ class TruncatedDrafter:
                     None if p.q_BGV is None else p.q_BGV[:, :g])
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return self.inner.update(params, state, target, ctx, verify_out, start_B,
-                             num_accepted_B)
+    update = self.inner.update if self.num_draft else self.inner.idle_update
+    return update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
+
+  def idle_update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    return self.inner.idle_update(params, state, target, ctx, verify_out, start_B,
+                                  num_accepted_B)
+
+  def sync(self, params, state, target, ctx):
+    return self.inner.sync(params, state, target, ctx) if self.num_draft else state
 
   def check_target(self, target_cfg) -> None:
     return self.inner.check_target(target_cfg)

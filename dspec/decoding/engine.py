@@ -165,9 +165,9 @@ class SpeculativeEngine:
     key = jax.random.fold_in(state.key, state.step)
     key_draft, key_verify = jax.random.split(key)
     ctx = self.context(state)
+    dstate = self.drafter.sync(drafter_params, state.drafter_state, target, ctx)
     if proposal is None:
-      proposal = self.drafter.propose(drafter_params, state.drafter_state, target, ctx,
-                                      key_draft)
+      proposal = self.drafter.propose(drafter_params, dstate, target, ctx, key_draft)
     g = proposal.tokens_BG.shape[1]
     remaining_B = state.max_new_tokens - state.generated_B()
     num_proposed_B = jnp.clip(jnp.minimum(proposal.num_proposed_B, remaining_B), 0, g)
@@ -201,6 +201,9 @@ class SpeculativeEngine:
 
     live = live_B.astype(jnp.int32)
     s = state.stats
+    k_BG = jnp.arange(1, s.reached_BG.shape[1] + 1)[None, :]
+    reached_BG = live_B[:, None] & (k_BG <= num_proposed_B[:, None]) & (k_BG <= n_B[:, None] + 1)
+    passed_BG = reached_BG & (k_BG <= n_B[:, None])
     stats = DecodeStats(
         steps_B=s.steps_B + live,
         committed_B=s.committed_B + count_B,
@@ -208,7 +211,8 @@ class SpeculativeEngine:
             jnp.arange(s.accept_hist_BG1.shape[1])[None, :] == accepted_B[:, None]),
         proposed_B=s.proposed_B + live * num_proposed_B,
         accepted_B=s.accepted_B + live * accepted_B,
-        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'))
+        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'),
+        reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG)
     trace = state.trace
     if trace is not None:
       at = jnp.where(live_B[0], s.steps_B[0], trace.num_proposed_S.shape[0])
@@ -220,8 +224,8 @@ class SpeculativeEngine:
     new_state = state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B,
                               done_B=done_B, cache=cache, step=state.step + 1, stats=stats,
                               trace=trace)
-    dstate = self.drafter.update(drafter_params, state.drafter_state, target,
-                                 self.context(new_state), out, start_B, n_B)
+    dstate = self.drafter.update(drafter_params, dstate, target, self.context(new_state), out,
+                                 start_B, n_B)
     return new_state.replace(drafter_state=dstate)
 
   def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps,

@@ -53,7 +53,8 @@ CONSISTENCY = [
 def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
   """After prefill and catch-ups with varied acceptance (garbage verify hidden at rejected
   slots), the logits of every depth at n-2 equal the full causal pass over the committed
-  tokens followed by the earlier drafts."""
+  tokens followed by the earlier drafts. Idle updates (the controller's AR tier: record
+  only) are caught up by `sync` before drafting, over more positions than one window."""
   target = tiny_model
   mtp = random_mtp(cfg)
   drafter, params = MTPDrafter.from_model(mtp, num_draft)
@@ -67,10 +68,11 @@ def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
     return DraftContext(tokens, n, SamplingSpec(), jnp.float32(0), jnp.float32(1))
 
   init = jax.jit(lambda p, t, s, n, out: drafter.init(p, t, ctx_of(s, n), out))
-  update = jax.jit(lambda p, st, t, s, n, out, start, a: drafter.update(
-      p, st, t, ctx_of(s, n), out, start, a))
-  draft = jax.jit(lambda p, st, t, s, n: drafter.draft(p, st, t, ctx_of(s, n),
-                                                       jax.random.key(0))[:2])
+  update, idle_update = (jax.jit(lambda p, st, t, s, n, out, start, a, fn=fn: fn(
+      p, st, t, ctx_of(s, n), out, start, a)) for fn in (drafter.update, drafter.idle_update))
+  sync = jax.jit(lambda p, st, t, s, n: drafter.sync(p, st, t, ctx_of(s, n)))
+  draft = jax.jit(lambda p, st, t, s, n: drafter.draft(
+      p, drafter.sync(p, st, t, ctx_of(s, n)), t, ctx_of(s, n), jax.random.key(0))[:2])
 
   @jax.jit
   def reference(m, t, h0_BLD, seq_BL, n_B):
@@ -84,7 +86,7 @@ def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
   w = n.max() - 1   # prefill covers positions 0..P-2; causal, so a slice of `full`
   pre = TargetOutput(None, full.hidden_BTD[:, :w], full.taps_BTND[:, :w], None)
   state = init(params, target, seq, n, pre)
-  for accepted in [[2, 0], [0, 3], [3, 1], [1, 2], None]:
+  for accepted in [[2, 0], *['idle'] * 5, [0, 3], [3, 1], 'idle', [1, 2], None]:
     drafts, logits = draft(params, state, target, seq, n)
     with_drafts = np.zeros_like(seq)
     for r in range(b):
@@ -94,7 +96,7 @@ def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=1e-5)
     if accepted is None:
       break
-    a = np.array(accepted, np.int32)
+    a = np.zeros(b, np.int32) if accepted == 'idle' else np.array(accepted, np.int32)
     start = n - 1
     idx = start[:, None] + np.arange(gamma + 1)[None]
     rejected = np.arange(gamma + 1)[None] > a[:, None]
@@ -103,11 +105,16 @@ def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
                       np.asarray(full.hidden_BTD)[np.arange(b)[:, None], idx])
     taps = np.where(rejected[..., None, None], noise[:, :, None],
                     np.asarray(full.taps_BTND)[np.arange(b)[:, None], idx])
+    lengths = np.asarray(state.cache.lengths_B)
     n = n + a + 1
-    state = update(params, state, target, seq, n,
-                   TargetOutput(None, jnp.asarray(hidden), jnp.asarray(taps), None),
-                   jnp.asarray(start), jnp.asarray(a))
-  assert np.asarray(state.cache.lengths_B).tolist() == (n - 1).tolist()
+    step = idle_update if accepted == 'idle' else update
+    state = step(params, state, target, seq, n,
+                 TargetOutput(None, jnp.asarray(hidden), jnp.asarray(taps), None),
+                 jnp.asarray(start), jnp.asarray(a))
+    want = lengths if accepted == 'idle' else n - 1    # an idle update only records
+    assert np.asarray(state.cache.lengths_B).tolist() == want.tolist()
+  assert np.asarray(sync(params, state, target, seq, n).cache.lengths_B).tolist() == \
+      (n - 1).tolist()
 
 
 # ------------------------------------------------------------------- greedy lossless

@@ -3,14 +3,18 @@
 import numpy as np
 import pytest
 
-from conftest import generate
+from flax import nnx
+
+from conftest import TINY, generate
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
                                        VerifyLengthController, expected_tokens, tier_drafter)
 from dspec.decoding.drafter import TruncatedDrafter
+from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.models.mtp import MTP, MTPConfig
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
 NEW_TOKENS = 24
@@ -50,6 +54,22 @@ def test_greedy_output_equals_ar_while_switching_tiers(tiny_split, ar, name, dra
   assert len(used) >= 2, f'{name} should exercise several tiers, used {used}'
   assert state.stats.accept_hist_BG1.shape[1] == max(TIERS) + 1
   assert sum(controller.tier_usage().values()) == pytest.approx(1.0)
+
+
+def test_mtp_idles_at_ar_and_syncs_before_probing(tiny_split, ar):
+  """MTP at tier 0 only records the target's hidden states; a probe catches its depths
+  up first (several recorded steps at once). Greedy output still equals AR."""
+  mtp = MTP(MTPConfig(num_depths=3), TINY, rngs=nnx.Rngs(1))
+  drafter, params = MTPDrafter.from_model(mtp)
+  cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
+                         probe_every=6)
+  controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
+                                      cost_table=_costs(0.6, 1e9))
+  assert type(controller.engines[0].drafter) is TruncatedDrafter
+  outs, _ = _decode(controller, tiny_split[1], params)
+  assert outs == ar[0]
+  trace = [g for g, _, _ in controller.last_trace]
+  assert 0 in trace and any(g > 0 for g in trace[trace.index(0):]), trace
 
 
 def test_makespan_objective_is_lossless_too(tiny_split, ar):

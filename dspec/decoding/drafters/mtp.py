@@ -12,6 +12,11 @@ output x^k at its frontier c_k.
            t_{start+1+j} (the same for every depth), hidden input = carry_{k-1} then depth
            k-1's window outputs shifted by one; slots j < m (and p >= 0) are written.
   init     prefill is the same catch-up from start 0 over the prompt window 0..P-2.
+  idle     at the controller's AR tier the update only records the target hidden h^0 of
+           the verify window (`h0_BLD`); `sync`, before the next proposal, catches every
+           depth up over the recorded positions in windows of γ+1 (a loop of zero trips
+           when current), so a stretch of AR steps costs no MTP pass until drafting resumes.
+           `update` is record + sync.
   propose  d_1 = head(depth 1 at n-2) from carry_1. Depth k >= 2 needs its entries at
            n-k..n-2, which read the drafts d_1..d_{k-1}: it runs over those k-1 positions
            (hidden = carry_{k-1} then depth k-1's draft outputs) attending to its committed
@@ -49,14 +54,17 @@ from dspec.models.mtp import MTP, MTPConfig, load_mtp
 
 @struct.dataclass
 class MTPState:
-  """cache: one layer per draft depth (lengths_B = n - 1: depth-1 entries).
-  carry_GBD: raw block output of depth k at its committed frontier n-1-k (parallel: n-2).
+  """cache: one layer per draft depth (lengths_B: depth-1 entries, n - 1 once synced).
+  carry_GBD: raw block output of depth k at its frontier lengths_B - k (parallel: - 1).
+  h0_BLD: depth 1's hidden input h^0 at every position the target has verified.
   """
 
   cache: KVCache
   carry_GBD: jnp.ndarray
+  h0_BLD: jnp.ndarray
 
-  LOGICAL_AXES: ClassVar[dict] = {'carry_GBD': (None, 'batch', None)}
+  LOGICAL_AXES: ClassVar[dict] = {'carry_GBD': (None, 'batch', None),
+                                  'h0_BLD': ('batch', None, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,23 +186,45 @@ class MTPDrafter(DrafterBase):
     valid_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
     cache, carry = self._catch_up(mtp, target, cache, carry, h0_BWD,
                                   ctx.tokens_BL[:, 1:w + 1], j_BW, valid_B)
-    return MTPState(cache.with_lengths(valid_B), carry)
+    h0_BLD = jnp.zeros((b, length, t.embed_dim), h0_BWD.dtype)
+    h0_BLD = h0_BLD.at[:, :w].set(h0_BWD[:, :length])
+    return MTPState(cache.with_lengths(valid_B), carry, h0_BLD)
+
+  def idle_update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    """Records h^0 of the verify window (positions start..start+γ) for a later `sync`."""
+    del ctx, num_accepted_B
+    h0_BGD = nnx.merge(self.graphdef, params).h0(verify_out)
+    b, g1, _ = h0_BGD.shape
+    positions_BG = start_B[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]
+    h0_BLD = state.h0_BLD.at[jnp.arange(b)[:, None], positions_BG].set(
+        h0_BGD.astype(state.h0_BLD.dtype), mode='drop')
+    return state.replace(h0_BLD=h0_BLD)
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    """Catch-up over the verify window; the committed count comes from ctx (it is
-    num_accepted_B + 1 for live rows, less when a stop token or the budget cut it)."""
-    del num_accepted_B
+    """Record, then catch up over the committed positions (the committed count comes from
+    ctx: num_accepted_B + 1 for live rows, less when a stop token or the budget cut it)."""
+    state = self.idle_update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
+    return self.sync(params, state, target, ctx)
+
+  def sync(self, params, state, target, ctx):
+    """Catch-up, γ+1 positions per trip, until depth 1 holds the n - 1 committed entries."""
     mtp = nnx.merge(self.graphdef, params)
-    h0_BGD = mtp.h0(verify_out)
-    b, g1, _ = h0_BGD.shape
-    length = ctx.tokens_BL.shape[1]
-    j = jnp.arange(g1, dtype=jnp.int32)[None, :]
-    committed_B = jnp.clip(ctx.num_tokens_B - 1 - start_B, 0, g1)
-    tokens_BG = ctx.tokens_BL[jnp.arange(b)[:, None],
-                              jnp.minimum(start_B[:, None] + 1 + j, length - 1)]
-    cache, carry = self._catch_up(mtp, target, state.cache, state.carry_GBD, h0_BGD,
-                                  tokens_BG, start_B[:, None] + j, committed_B)
-    return MTPState(cache.with_lengths(start_B + committed_B), carry)
+    b, length = ctx.tokens_BL.shape
+    rows = jnp.arange(b)[:, None]
+    j = jnp.arange(self.num_draft + 1, dtype=jnp.int32)[None, :]
+    goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
+
+    def trip(st):
+      base_BW = st.cache.lengths_B[:, None] + j
+      committed_B = jnp.clip(goal_B - st.cache.lengths_B, 0, j.shape[1])
+      h0_BWD = st.h0_BLD[rows, jnp.minimum(base_BW, length - 1)]
+      tokens_BW = ctx.tokens_BL[rows, jnp.minimum(base_BW + 1, length - 1)]
+      cache, carry = self._catch_up(mtp, target, st.cache, st.carry_GBD, h0_BWD, tokens_BW,
+                                    base_BW, committed_B)
+      return st.replace(cache=cache.with_lengths(st.cache.lengths_B + committed_B),
+                        carry_GBD=carry)
+
+    return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), trip, state)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], depth logits at position n-2 over the draft vocabulary
