@@ -2,13 +2,13 @@
 candidate selector (training.task = dflash2, `dspec/models/dflash2.py`).
 
 Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
-  python scripts/train.py --config=configs/dflash2_demo.py:layers=1,steps=2000 \
-      --config.training.batch_size=16 --workdir=runs/dflash2_demo
+  python scripts/train.py --config=configs/dflash2_demo.py:layers=1,steps=1500 \
+      --workdir=runs/dflash2_demo
   python scripts/decode.py --config=configs/dflash2_demo.py --config.compare_ar=True
   python scripts/export_drafter.py --path=runs/dflash2_demo/final --out=/tmp/dflash2_zlab
 Arguments: those of configs/dflash_demo.py (layers, block, steps, minutes, data, tiny),
 except vocab and bd3lm (DFlash-2 uses the full vocabulary and its own objective). The
-shipped DFlash drafter's budget is layers=1, steps=2000, batch 16 (docs/RESULTS.md).
+family's shared budget (docs/RESULTS.md): layers=1, steps=1500, batch 8 × 320.
 DFlash-2 knobs (--config.dflash.<key>): conv_kernel_size (taps along the block),
 conv_group_size (channels per dynamic kernel), selector_rank (r), selector_top_k (K),
 selector_loss_alpha (α of the K-way selector CE).

@@ -2,8 +2,8 @@
 head and a confidence head (training.task = dspark, `dspec/models/dspark.py`).
 
 Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
-  python scripts/train.py --config=configs/dspark_demo.py:layers=1,steps=2000 \
-      --config.training.batch_size=16 --workdir=runs/dspark_demo
+  python scripts/train.py --config=configs/dspark_demo.py:layers=1,block=15,steps=1500 \
+      --workdir=runs/dspark_demo   # the family's budget and DFlash's 15 drafts
   python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence

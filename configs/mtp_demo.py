@@ -58,8 +58,6 @@ def get_config(arg=None):
   if args.joint:
     t.update(batch_size=16, seq_len=256, learning_rate=2e-3, weight_decay=0.1,
              storage_dtype='bfloat16')
-  else:
-    t.update(batch_size=16, seq_len=320, learning_rate=1e-3, weight_decay=0.0)
 
   if args.tiny:
     cfg.model = common.model_config('tiny')

@@ -13,6 +13,8 @@ checkpoint metadata (or config.json). Forms:
                   (default)       as `dspec_*confidence_temperatures` keys)
   eagle3          speculators     speculators' `Eagle3DraftModel`, vLLM
                   (default)
+  mtp             speculators     speculators' `MTPDraftModel`, vLLM (one shared layer:
+                  (default)       a shared_depth or single-depth, full-vocabulary MTP)
 
 Combinations without a writer (DSpark or EAGLE-3 in z-lab form, DFlash in speculators form)
 and drafters a form cannot express (a reduced draft vocabulary in z-lab form, dspec's
@@ -29,22 +31,22 @@ from absl import flags, logging  # noqa: E402
 
 from dspec import cli  # noqa: E402
 
-KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3')
+KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
 FORMATS = {'dflash': ('zlab',), 'dflash2': ('zlab',), 'dspark': ('speculators',),
-           'eagle3': ('speculators',)}   # the first is the default
+           'eagle3': ('speculators',), 'mtp': ('speculators',)}   # the first is the default
 
 _PATH = flags.DEFINE_string('path', None, 'Drafter to export.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Directory to write.', required=True)
 _FORMAT = flags.DEFINE_enum('format', None, ['zlab', 'speculators'],
                             'Form to write (default: zlab for DFlash / DFlash-2, speculators '
-                            'for DSpark and EAGLE-3).')
+                            'for DSpark, EAGLE-3 and MTP).')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
                            'Dtype of the exported tensors.')
 _FORCE = flags.DEFINE_boolean('force', False, 'Write into a non-empty --out directory.')
 
 
 def drafter_kind(path: str) -> str:
-  """dflash | dflash2 | dspark | eagle3 from dspec's checkpoint metadata, else config.json
+  """dflash | dflash2 | dspark | eagle3 | mtp from dspec's checkpoint metadata, else config.json
   (speculators_model_type; a z-lab architecture; otherwise legacy EAGLE-3)."""
   from dspec import checkpoint
   from dspec.models import drafter_formats
@@ -53,6 +55,8 @@ def drafter_kind(path: str) -> str:
     kind = checkpoint.read_model_kind(path)
   elif 'speculators_model_type' in config:
     kind = config['speculators_model_type']
+  elif 'num_nextn_predict_layers' in config:   # HF checkpoint with DeepSeek-V3 MTP layers
+    kind = 'mtp'
   else:
     archs = config.get('architectures') or []
     kind = next((drafter_formats.ZLAB_ARCHITECTURES[a] for a in archs
@@ -71,6 +75,9 @@ def load(kind: str, path: str):
   if kind == 'eagle3':
     from dspec.models import eagle3_formats
     return eagle3_formats.load(path)
+  if kind == 'mtp':
+    from dspec.models import mtp_formats
+    return mtp_formats.load(path)
   from dspec.models import drafter_formats
   return drafter_formats.load(path)
 
@@ -82,6 +89,9 @@ def save(kind: str, form: str, out: str, drafter, dtype: str) -> None:
   elif kind == 'dspark':
     from dspec.models import dspark
     dspark.save_speculators(out, drafter, dtype=dtype)
+  elif kind == 'mtp':
+    from dspec.models import mtp_formats
+    mtp_formats.save_speculators(out, drafter, dtype=dtype)
   else:
     from dspec.models import eagle3_formats
     eagle3_formats.save_speculators(out, drafter, dtype=dtype)
@@ -101,8 +111,9 @@ def main(argv):
                         f'{" or ".join(FORMATS[kind])} form only')
   drafter = load(kind, _PATH.value)
   save(kind, form, out, drafter, _DTYPE.value)
-  print(f'wrote {out}: {kind} drafter in {form} form, {drafter.cfg.num_layers} layers, '
-        f'taps {list(drafter.cfg.target_layer_ids)} ({_DTYPE.value})')
+  shape = (f'{drafter.cfg.num_depths} depths' if kind == 'mtp' else
+           f'{drafter.cfg.num_layers} layers, taps {list(drafter.cfg.target_layer_ids)}')
+  print(f'wrote {out}: {kind} drafter in {form} form, {shape} ({_DTYPE.value})')
 
 
 if __name__ == '__main__':
