@@ -6,7 +6,7 @@ every drafter:
 
   state = drafter.init(params, target, ctx, prefill_out)
   state = drafter.sync(params, state, target, ctx)
-  proposal = drafter.propose(params, state, target, ctx, key)
+  proposal = drafter.propose(params, state, target, ctx, key)     # or propose_prefix
   state = drafter.update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
 
 `ctx` is the committed sequence (`DraftContext`); `prefill_out` / `verify_out` are the target
@@ -30,6 +30,9 @@ Contract:
                    rebuilding them with fewer drafts.
   samples_proposals  True when proposals at T > 0 are samples with their q (the
                    speed-of-light bound covers deterministic proposals only).
+  propose_prefix   the first g tokens of `propose` (a smaller controller tier of a
+                   `truncate_for_tiers` drafter); the default slices the whole proposal,
+                   a drafter may skip the work of the later slots (DFlash's head).
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts).
 
@@ -106,6 +109,12 @@ class DrafterBase:
 
   def sync(self, params, state, target, ctx):
     return state
+
+  def propose_prefix(self, params, state, target, ctx, key, num_draft: int) -> Proposal:
+    p = self.propose(params, state, target, ctx, key)
+    g = num_draft
+    return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
+                    None if p.q_BGV is None else p.q_BGV[:, :g])
 
 
 class StatelessDrafter(DrafterBase):
@@ -219,12 +228,9 @@ class TruncatedDrafter:
     return self.inner.init(params, target, ctx, prefill_out)
 
   def propose(self, params, state, target, ctx, key):
-    g = self.num_draft
-    if g == 0:
+    if self.num_draft == 0:
       return empty_proposal(ctx.tokens_BL.shape[0], 0)
-    p = self.inner.propose(params, state, target, ctx, key)
-    return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
-                    None if p.q_BGV is None else p.q_BGV[:, :g])
+    return self.inner.propose_prefix(params, state, target, ctx, key, self.num_draft)
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
     update = self.inner.update if self.num_draft else self.inner.idle_update

@@ -21,6 +21,7 @@ from conftest import REPO_ROOT, TINY, generate
 from lossless_checks import check_engine_samples_match_target
 from configs import dflash_demo
 from dspec import checkpoint
+from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters import dflash as dflash_drafters
 from dspec.decoding.engine import SpeculativeEngine
@@ -225,6 +226,21 @@ def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
   cached, fresh = cached_and_fresh(toy['dparams'], state.tokens_BL, state.num_tokens_B,
                                    state.drafter_state)
   np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_controller_tiers_score_only_their_prefix(toy, ragged_run):
+  """A tier of g drafts (TruncatedDrafter) scores only the first g block slots, drafting
+  exactly the first g tokens of the whole block's proposal."""
+  drafter, target, state = toy['drafter'], toy['target'], ragged_run[2]
+  ctx = DraftContext(state.tokens_BL, state.num_tokens_B,
+                     remaining_B=jnp.full((2,), 99, jnp.int32))
+  propose = jax.jit(lambda d, p, st: d.propose(p, st, target, ctx,
+                                                jax.random.key(0)).tokens_BG, static_argnums=0)
+  whole = np.asarray(propose(drafter, toy['dparams'], state.drafter_state))
+  for g in (1, 3):
+    tier = TruncatedDrafter(drafter, g)
+    np.testing.assert_array_equal(
+        np.asarray(propose(tier, toy['dparams'], state.drafter_state)), whole[:, :g])
 
 
 def test_greedy_lossless_against_ar(toy, ragged_run):

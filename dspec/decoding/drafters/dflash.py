@@ -124,6 +124,8 @@ class DFlashDrafter(DrafterBase):
         q_BGV = dflash2.SelectorWalk(walk.tokens_BG, model.token_ids(walk.cand_BGK),
                                      walk.q_BGK).q_over_vocab(self.target_cfg.vocab_size)
       return Proposal(model.token_ids(walk.tokens_BG), jnp.full((b,), g, jnp.int32), q_BGV)
+    if self.denoise_steps == 1:
+      return self.propose_prefix(params, cache, target, ctx, key, g)
     masked_BG = jnp.ones((b, g), bool)
     steps = min(self.denoise_steps, g)
     for s in range(steps):
@@ -141,6 +143,18 @@ class DFlashDrafter(DrafterBase):
       drafts_BG = jnp.where(fill_BG, best_BG, drafts_BG)
       masked_BG = masked_BG & ~fill_BG
     return Proposal(drafts_BG, jnp.full((b,), g, jnp.int32))
+
+  def propose_prefix(self, params, cache, target, ctx, key, num_draft: int) -> Proposal:
+    """Single-pass DFlash scores only the first `num_draft` slots of the (whole) block:
+    the same tokens as slicing `propose`, without the head over the rest."""
+    if self.is_dflash2 or self.denoise_steps > 1:
+      return super().propose_prefix(params, cache, target, ctx, key, num_draft)
+    model = nnx.merge(self.graphdef, params)
+    b = ctx.tokens_BL.shape[0]
+    masks_BG = jnp.full((b, self.num_draft), self.config.mask_token_id, jnp.int32)
+    hidden_BGD = self.block_hidden(model, cache, target, ctx, masks_BG)[:, :num_draft]
+    drafts_BG = model.token_ids(jnp.argmax(model.draft_logits(target, hidden_BGD), axis=-1))
+    return Proposal(drafts_BG, jnp.full((b,), num_draft, jnp.int32))
 
   def update(self, params, cache, target, ctx, verify_out, start_B, num_accepted_B):
     del num_accepted_B

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dspec.decoding.drafter import check_num_draft, check_width_and_vocab, checkpoint_path
+from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
+                                    checkpoint_path)
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.state import Proposal
 from dspec.models import dspark as dspark_model
@@ -135,6 +136,8 @@ class DSparkDrafter(DFlashDrafter):
   def set_verify_cost(self, state: DSparkState, verify_cost: float) -> DSparkState:
     """`state` with λ = `verify_cost` (the load-aware controller's λ(B))."""
     return state.replace(verify_cost=jax.device_put(np.float32(max(verify_cost, 0.0))))
+
+  propose_prefix = DrafterBase.propose_prefix   # the Markov walk needs every slot
 
   def propose(self, params, state, target, ctx, key):
     model = nnx.merge(self.graphdef, params)
