@@ -129,6 +129,7 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
 def _train(task: TrainTask, cfg, workdir: str) -> dict:
   optimizer = optimizer_lib.make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
+  print(f'trainable parameters: {sum(x.size for x in jax.tree.leaves(params)):,}', flush=True)
   placement = sharding.placement_from_config(cfg, sharding.find_model_config(task.model))
   frozen = task.frozen
   if placement:
