@@ -61,7 +61,8 @@ CONSISTENCY = [
 def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
   """After prefill and catch-ups with varied acceptance (garbage verify taps at rejected
   slots), draft k's logits equal TTT step k-1 at index n-2 over the committed tokens
-  followed by the earlier drafts."""
+  followed by the earlier drafts. Idle updates (the controller's AR tier: record only) are
+  written by `sync` before drafting, over more positions than one window."""
   target = tiny_model
   model = random_eagle3(target, **fields)
   gamma = 3
@@ -76,10 +77,11 @@ def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
     return DraftContext(tokens, n, SamplingSpec(), jnp.float32(0), jnp.float32(1))
 
   init = jax.jit(lambda p, t, s, n, out: drafter.init(p, t, ctx_of(s, n), out))
-  update = jax.jit(lambda p, st, t, s, n, out, start: drafter.update(
-      p, st, t, ctx_of(s, n), out, start, None))
-  draft = jax.jit(lambda p, st, t, s, n: drafter.draft(p, st, t, ctx_of(s, n),
-                                                       jax.random.key(0))[:2])
+  update, idle_update = (jax.jit(lambda p, st, t, s, n, out, start, fn=fn: fn(
+      p, st, t, ctx_of(s, n), out, start, None)) for fn in (drafter.update,
+                                                            drafter.idle_update))
+  draft = jax.jit(lambda p, st, t, s, n: drafter.draft(
+      p, drafter.sync(p, st, t, ctx_of(s, n)), t, ctx_of(s, n), jax.random.key(0))[:2])
 
   @jax.jit
   def reference(m, t, taps, seq_BL, n_B):
@@ -91,7 +93,7 @@ def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
   w = n.max() - 1
   state = init(params, target, seq, n,
                TargetOutput(None, full.hidden_BTD[:, :w], full.taps_BTND[:, :w], None))
-  for accepted in [[2, 0], [0, 3], [3, 1], [1, 2], None]:
+  for accepted in [[2, 0], *['idle'] * 5, [0, 3], [3, 1], 'idle', [1, 2], None]:
     drafts, logits = draft(params, state, target, seq, n)
     with_drafts = np.zeros_like(seq)
     for r in range(b):
@@ -101,17 +103,20 @@ def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=1e-5)
     if accepted is None:
       break
-    a = np.array(accepted, np.int32)
+    a = np.zeros(b, np.int32) if accepted == 'idle' else np.array(accepted, np.int32)
     start = n - 1
     idx = start[:, None] + np.arange(gamma + 1)[None]
     rejected = np.arange(gamma + 1)[None] > a[:, None]
     noise = rng.normal(size=(b, gamma + 1, 1, TINY.embed_dim)).astype(np.float32)
     taps = np.where(rejected[..., None, None], noise,
                     np.asarray(full.taps_BTND)[np.arange(b)[:, None], idx])
+    lengths = np.asarray(state.cache.lengths_B)
     n = n + a + 1
-    state = update(params, state, target, seq, n,
-                   TargetOutput(None, None, jnp.asarray(taps), None), jnp.asarray(start))
-  assert np.asarray(state.cache.lengths_B).tolist() == (n - 1).tolist()
+    step = idle_update if accepted == 'idle' else update
+    state = step(params, state, target, seq, n,
+                 TargetOutput(None, None, jnp.asarray(taps), None), jnp.asarray(start))
+    want = lengths if accepted == 'idle' else n - 1    # an idle update only records
+    assert np.asarray(state.cache.lengths_B).tolist() == want.tolist()
 
 
 # ------------------------------------------------------------------- greedy lossless

@@ -10,10 +10,12 @@ from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
                                        VerifyLengthController, expected_tokens, tier_drafter)
 from dspec.decoding.drafter import TruncatedDrafter
+from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model
 from dspec.models.mtp import MTP, MTPConfig
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
@@ -56,11 +58,21 @@ def test_greedy_output_equals_ar_while_switching_tiers(tiny_split, ar, name, dra
   assert sum(controller.tier_usage().values()) == pytest.approx(1.0)
 
 
-def test_mtp_idles_at_ar_and_syncs_before_probing(tiny_split, ar):
-  """MTP at tier 0 only records the target's hidden states; a probe catches its depths
-  up first (several recorded steps at once). Greedy output still equals AR."""
-  mtp = MTP(MTPConfig(num_depths=3), TINY, rngs=nnx.Rngs(1))
-  drafter, params = MTPDrafter.from_model(mtp)
+def _mtp(target):
+  return MTPDrafter.from_model(MTP(MTPConfig(num_depths=3), TINY, rngs=nnx.Rngs(1)))
+
+
+def _eagle3(target):
+  model = Eagle3Model(Eagle3Config(target_layer_ids=(0, 1)), TINY, rngs=nnx.Rngs(1))
+  model.init_head_from(target)
+  return Eagle3Drafter.create(model, 3)
+
+
+@pytest.mark.parametrize('make', [_mtp, _eagle3], ids=['mtp', 'eagle3'])
+def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make):
+  """MTP / EAGLE-3 at tier 0 only record the target's states; a probe first writes the
+  recorded positions into their caches (several steps at once). Greedy output equals AR."""
+  drafter, params = make(tiny_model)
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
                          probe_every=6)
   controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,

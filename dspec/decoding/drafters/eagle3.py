@@ -7,8 +7,11 @@ exactly those, and `carry` keeps the raw output x of entry n-2.
 
   init     the prompt's taps at 0..P-1 with tokens t_1..t_P: entries 0..n-2 (P = n-1).
   update   after a verify at start..start+γ that committed m tokens, entries
-           p = start+j (j = 0..γ) read the verify taps at j and t_{start+1+j}; slots j < m
-           are written (the rest run but are dropped), carry = x at slot m-1.
+           p = start+j (j = 0..γ) read the fused verify taps at j and t_{start+1+j}; slots
+           j < m are written (the rest run but are dropped), carry = x at slot m-1.
+  idle     at the controller's AR tier the update only records the fused taps (`g_BLD`);
+           `sync`, before the next proposal, writes the recorded entries γ+1 per loop trip
+           (zero trips when current). `update` is record + sync.
   propose  d_1 = head(carry). Entry n-3+k (k >= 2) reads next_hidden(previous entry's x)
            and d_{k-1}, attends to the committed cache plus the chain so far (scratch K/V,
            never written), and gives d_k.
@@ -39,12 +42,14 @@ from dspec.models.kv_cache import KVCache
 
 @struct.dataclass
 class Eagle3State:
-  """cache: committed entries 0..n-2 (lengths_B = n - 1); carry_BD: raw x of entry n-2."""
+  """cache: entries 0..lengths_B-1 (n - 1 once synced); carry_BD: raw x of the last one;
+  g_BLD: the fused taps at every position the target has verified."""
 
   cache: KVCache
   carry_BD: jnp.ndarray
+  g_BLD: jnp.ndarray
 
-  LOGICAL_AXES: ClassVar[dict] = {'carry_BD': ('batch', None)}
+  LOGICAL_AXES: ClassVar[dict] = {'carry_BD': ('batch', None), 'g_BLD': ('batch', None, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +107,17 @@ class Eagle3Drafter(DrafterBase):
     x = model.block(target, g_BWD, tokens_BW, positions_BW, kv_fn_of)
     return x, cache
 
-  def _catch_up(self, model, target, state, taps_BWND, tokens_BW, start_B, num_valid_B):
+  def _catch_up(self, model, target, state, g_BWD, tokens_BW, start_B, num_valid_B):
     b, w = tokens_BW.shape
     positions_BW = start_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
     valid_BW = jnp.arange(w)[None] < num_valid_B[:, None]
-    x, cache = self._cached_pass(model, target, state.cache, model.fuse(taps_BWND, target),
-                                 tokens_BW, positions_BW, valid_BW)
+    x, cache = self._cached_pass(model, target, state.cache, g_BWD, tokens_BW, positions_BW,
+                                 valid_BW)
     last_B = jnp.maximum(num_valid_B - 1, 0)
     x_last = x[jnp.arange(b), last_B]
-    carry = jnp.where((num_valid_B > 0)[:, None], x_last, state.carry_BD.astype(x.dtype))
-    return Eagle3State(cache.with_lengths(start_B + num_valid_B), carry)
+    carry = jnp.where((num_valid_B > 0)[:, None], x_last,
+                      state.carry_BD.astype(x.dtype)).astype(state.carry_BD.dtype)
+    return state.replace(cache=cache.with_lengths(start_B + num_valid_B), carry_BD=carry)
 
   def _pick(self, model, logits_BV, ctx, key):
     """(target token id, q over the target vocabulary or None) of one draft."""
@@ -130,25 +136,45 @@ class Eagle3Drafter(DrafterBase):
     model = nnx.merge(self.graphdef, params)
     b, length = ctx.tokens_BL.shape
     cache = KVCache.for_model(model.layer_cfg, self.config.num_layers, b, length)
-    taps = prefill_out.taps_BTND
-    state = Eagle3State(cache, jnp.zeros((b, self.target_cfg.embed_dim), taps.dtype))
-    w = taps.shape[1]
-    return self._catch_up(model, target, state, taps, ctx.tokens_BL[:, 1:w + 1],
+    g_BWD = model.fuse(prefill_out.taps_BTND, target)
+    w = g_BWD.shape[1]
+    g_BLD = jnp.zeros((b, length, g_BWD.shape[-1]), g_BWD.dtype)
+    state = Eagle3State(cache, jnp.zeros((b, self.target_cfg.embed_dim), g_BWD.dtype),
+                        g_BLD.at[:, :w].set(g_BWD[:, :length]))
+    return self._catch_up(model, target, state, g_BWD, ctx.tokens_BL[:, 1:w + 1],
                           jnp.zeros((b,), jnp.int32), jnp.maximum(ctx.num_tokens_B - 1, 0))
 
+  def idle_update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    """Records the fused taps of the verify window (positions start..start+γ)."""
+    del ctx, num_accepted_B
+    g_BGD = nnx.merge(self.graphdef, params).fuse(verify_out.taps_BTND, target)
+    b, g1, _ = g_BGD.shape
+    positions_BG = start_B[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]
+    return state.replace(g_BLD=state.g_BLD.at[jnp.arange(b)[:, None], positions_BG].set(
+        g_BGD.astype(state.g_BLD.dtype), mode='drop'))
+
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    """The committed count comes from ctx (num_accepted_B + 1 for live rows, less when a
-    stop token or the budget cut it)."""
-    del num_accepted_B
+    """Record, then write the committed entries (the committed count comes from ctx:
+    num_accepted_B + 1 for live rows, less when a stop token or the budget cut it)."""
+    state = self.idle_update(params, state, target, ctx, verify_out, start_B, num_accepted_B)
+    return self.sync(params, state, target, ctx)
+
+  def sync(self, params, state, target, ctx):
+    """Writes recorded entries, γ+1 per trip, until the cache holds the n - 1 committed."""
     model = nnx.merge(self.graphdef, params)
-    taps = verify_out.taps_BTND
-    b, g1 = taps.shape[:2]
-    length = ctx.tokens_BL.shape[1]
-    j = jnp.arange(g1, dtype=jnp.int32)[None, :]
-    committed_B = jnp.clip(ctx.num_tokens_B - 1 - start_B, 0, g1)
-    tokens_BG = ctx.tokens_BL[jnp.arange(b)[:, None],
-                              jnp.minimum(start_B[:, None] + 1 + j, length - 1)]
-    return self._catch_up(model, target, state, taps, tokens_BG, start_B, committed_B)
+    b, length = ctx.tokens_BL.shape
+    rows = jnp.arange(b)[:, None]
+    j = jnp.arange(self.num_draft + 1, dtype=jnp.int32)[None, :]
+    goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
+
+    def trip(st):
+      start_B = st.cache.lengths_B
+      base_BW = jnp.minimum(start_B[:, None] + j, length - 1)
+      tokens_BW = ctx.tokens_BL[rows, jnp.minimum(base_BW + 1, length - 1)]
+      return self._catch_up(model, target, st, st.g_BLD[rows, base_BW], tokens_BW, start_B,
+                            jnp.clip(goal_B - start_B, 0, j.shape[1]))
+
+    return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), trip, state)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], draft-vocabulary logits [B, G, V'], q [B, G, V] or None)."""
