@@ -110,7 +110,7 @@ def test_bad_input_is_one_error_line(dspark_ckpt, target, tmp_path):
   (tmp_path / 'full' / 'x').write_text('x')
   cases = [
       ([f'--path={tmp_path / "target"}'], "holds a 'target' model; export_drafter writes "
-                                          'dflash, dflash2, dspark, eagle3 drafters'),
+                                          'dflash, dflash2, dspark, eagle3, mtp drafters'),
       ([f'--path={path}', '--format=zlab'], 'dspec writes dspark drafters in speculators '
                                             'form only'),
       ([f'--path={tmp_path / "nowhere"}'], 'no such drafter directory'),
