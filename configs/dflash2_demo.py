@@ -30,7 +30,8 @@ def get_config(arg=None):
   cfg.dflash.update({
       'conv_kernel_size': 2,       # taps along the block (z-lab's DFlash-2: 2)
       'conv_group_size': 16,       # channels sharing one dynamic kernel (z-lab: 16)
-      'selector_rank': 256,        # r of the predecessor/successor codebooks
+      'selector_rank': 32,         # r of the predecessor/successor codebooks (z-lab: 256;
+                                   # 2·V·r params: 32 keeps the demo drafter near DFlash's)
       'selector_top_k': 16,        # K candidates per slot
       'selector_loss_alpha': 1.0,  # loss = DFlash loss + α · K-way selector CE
   })

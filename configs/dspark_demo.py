@@ -8,7 +8,8 @@ Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_d
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence
 Arguments: layers=N (draft layers, default 2), block=B (drafts per block, default 7; 3 with tiny),
-head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 256; 0 = none),
+head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 32, which keeps the
+demo drafter's size near DFlash's; 0 = none),
 steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default
 runs/distill_demo8k), tiny (random tiny target, tiny drafter: for tests).
 Training knobs (--config.dspark.<key>): ce_weight / tv_weight / confidence_weight (0.1 /
@@ -31,7 +32,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, tiny=False, layers=2, block=0, head='vanilla', rank=256,
+  args = common.parse_arg(arg, tiny=False, layers=2, block=0, head='vanilla', rank=32,
                           steps=3000, minutes=0.0, data='runs/distill_demo8k')
   block = args.block or (3 if args.tiny else 7)
   cfg = common.decode_config('demo')
