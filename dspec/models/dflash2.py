@@ -35,6 +35,7 @@ from flax import nnx
 
 from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig, DFlashModel, load_dspec_checkpoint
+from dspec.sampling import top_k
 
 CHECKPOINT_KIND = 'dflash2'
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -176,15 +177,16 @@ class SelectorWalk(NamedTuple):
                 self.cand_BGK].add(self.q_BGK)
 
 
-def select_walk(selector: CandidateSelector, top_k: int, logits_BGV, hidden_BGD, anchor_B,
-                *, greedy: bool, temperature=None, key=None) -> SelectorWalk:
+def select_walk(selector: CandidateSelector, num_candidates: int, logits_BGV, hidden_BGD,
+                anchor_B, *, greedy: bool, temperature=None, key=None) -> SelectorWalk:
   """The left-to-right walk over the drafted slots 1..G from the anchor token.
 
-  logits_BGV: the transformed draft logits (`draft_logits`) of the slots; hidden_BGD:
-  their post-final-norm hidden. greedy: argmax of S; else temperature ([B] or scalar,
-  > 0) and a PRNG key: each slot is sampled from softmax(S / T) over its candidates.
+  num_candidates: K; logits_BGV: the transformed draft logits (`draft_logits`) of the
+  slots; hidden_BGD: their post-final-norm hidden. greedy: argmax of S; else temperature
+  ([B] or scalar, > 0) and a PRNG key: each slot is sampled from softmax(S / T) over its
+  candidates.
   """
-  unary_BGK, cand_BGK = jax.lax.top_k(logits_BGV.astype(jnp.float32), top_k)
+  unary_BGK, cand_BGK = top_k(logits_BGV.astype(jnp.float32), num_candidates)
   cand_BGK = cand_BGK.astype(jnp.int32)
   g_BGR = selector.hidden_projection(hidden_BGD)
   b, g = cand_BGK.shape[:2]

@@ -40,6 +40,7 @@ from flax import nnx
 from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashModel, save_dflash
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.training.losses import token_cross_entropy
+from dspec.sampling import top_k
 from dspec.training.trainer import TrainTask
 
 # Loss decay γ of the reference per block size (SpecForge `--loss-decay-gamma`).
@@ -72,7 +73,7 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, anchor_supervised: bool 
     cand_BA = cand_BA & loss_mask_BS[:, :-1]
   n = min(num_anchors, cand_BA.shape[1])
   score_BA = jnp.where(cand_BA, jax.random.uniform(key, cand_BA.shape), -1.0)
-  top_BN, idx_BN = jax.lax.top_k(score_BA, n)
+  top_BN, idx_BN = top_k(score_BA, n)
   big = cand_BA.shape[1] + 1
   anchors_BN = jnp.sort(jnp.where(top_BN >= 0, idx_BN, big), axis=-1)
   return jnp.where(anchors_BN == big, -1, anchors_BN).astype(jnp.int32)
@@ -133,7 +134,7 @@ def selector_terms(drafter: DFlash2Model, hidden_BNKD, logits_BNKV, labels_BNK,
   """DFlash-2 selector terms [B, N, B−1]: K-way CE over the unary top-K with the gold
   injected as the K-th candidate when missing; teacher-forced predecessors."""
   k = drafter.cfg.selector_top_k
-  _, cand_BNKk = jax.lax.top_k(jax.lax.stop_gradient(logits_BNKV), k)
+  _, cand_BNKk = top_k(jax.lax.stop_gradient(logits_BNKV), k)
   match = cand_BNKk == labels_BNK[..., None]
   recall_BNK = jnp.any(match, axis=-1)
   gold_BNK = jnp.where(recall_BNK, jnp.argmax(match, axis=-1), k - 1)

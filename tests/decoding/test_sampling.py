@@ -134,6 +134,18 @@ def test_no_full_vocabulary_sort(top_k, use_top_p):
   assert ' sort(' not in hlo
 
 
+def test_top_k_helper_survives_slicing():
+  """`sampling.top_k` equals `jax.lax.top_k`, and slicing its indices (which turns the bare
+  op into a full sort) keeps XLA's TopK."""
+  x = _logits(4, (3, 512), 'mixed')
+  vals, idx = sampling.top_k(x, 8)
+  want_vals, want_idx = jax.lax.top_k(x, 8)
+  np.testing.assert_array_equal(idx, want_idx)
+  np.testing.assert_array_equal(vals, want_vals)
+  fn = jax.jit(lambda x: sampling.top_k(x, 8)[1].at[:, -1].set(0))
+  assert ' sort(' not in fn.lower(x).compile().as_text()
+
+
 def test_first_argmax_matches_argmax_with_ties():
   logits = _logits(3, (4, 5, 256), 'ties')
   np.testing.assert_array_equal(verification.first_argmax(logits), jnp.argmax(logits, -1))
