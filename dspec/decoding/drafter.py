@@ -57,6 +57,7 @@ import abc
 import dataclasses
 from typing import Any, Callable, Optional, Protocol, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -115,6 +116,29 @@ class DrafterBase:
     g = num_draft
     return Proposal(p.tokens_BG[:, :g], jnp.minimum(p.num_proposed_B, g),
                     None if p.q_BGV is None else p.q_BGV[:, :g])
+
+
+def record_window(buffer_BLD, values_BGD, start_B):
+  """`buffer_BLD` with each row's `values_BGD` written at positions start..start+G−1
+  (positions past the end are dropped): what an idle update records for a later `sync`."""
+  b, g, _ = values_BGD.shape
+  positions_BG = start_B[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
+  return buffer_BLD.at[jnp.arange(b)[:, None], positions_BG].set(
+      values_BGD.astype(buffer_BLD.dtype), mode='drop')
+
+
+def sync_in_windows(state, ctx: DraftContext, width: int, trip):
+  """Catches a cached drafter up: `trip(state, base_BW, committed_B)` writes the window of
+  `width` positions from each row's `state.cache.lengths_B` (`committed_B` of them are
+  committed), until every cache holds the n − 1 committed entries (no trip when current)."""
+  goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
+  j = jnp.arange(width, dtype=jnp.int32)[None, :]
+
+  def body(st):
+    start_B = st.cache.lengths_B
+    return trip(st, start_B[:, None] + j, jnp.clip(goal_B - start_B, 0, width))
+
+  return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), body, state)
 
 
 class StatelessDrafter(DrafterBase):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
-                                    checkpoint_path)
+                                    checkpoint_path, record_window, sync_in_windows)
 from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
@@ -148,10 +148,7 @@ class Eagle3Drafter(DrafterBase):
     """Records the fused taps of the verify window (positions start..start+γ)."""
     del ctx, num_accepted_B
     g_BGD = nnx.merge(self.graphdef, params).fuse(verify_out.taps_BTND, target)
-    b, g1, _ = g_BGD.shape
-    positions_BG = start_B[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]
-    return state.replace(g_BLD=state.g_BLD.at[jnp.arange(b)[:, None], positions_BG].set(
-        g_BGD.astype(state.g_BLD.dtype), mode='drop'))
+    return state.replace(g_BLD=record_window(state.g_BLD, g_BGD, start_B))
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
     """Record, then write the committed entries (the committed count comes from ctx:
@@ -164,17 +161,14 @@ class Eagle3Drafter(DrafterBase):
     model = nnx.merge(self.graphdef, params)
     b, length = ctx.tokens_BL.shape
     rows = jnp.arange(b)[:, None]
-    j = jnp.arange(self.num_draft + 1, dtype=jnp.int32)[None, :]
-    goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
 
-    def trip(st):
-      start_B = st.cache.lengths_B
-      base_BW = jnp.minimum(start_B[:, None] + j, length - 1)
+    def trip(st, base_BW, committed_B):
+      base_BW = jnp.minimum(base_BW, length - 1)
       tokens_BW = ctx.tokens_BL[rows, jnp.minimum(base_BW + 1, length - 1)]
-      return self._catch_up(model, target, st, st.g_BLD[rows, base_BW], tokens_BW, start_B,
-                            jnp.clip(goal_B - start_B, 0, j.shape[1]))
+      return self._catch_up(model, target, st, st.g_BLD[rows, base_BW], tokens_BW,
+                            st.cache.lengths_B, committed_B)
 
-    return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), trip, state)
+    return sync_in_windows(state, ctx, self.num_draft + 1, trip)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], draft-vocabulary logits [B, G, V'], q [B, G, V] or None)."""

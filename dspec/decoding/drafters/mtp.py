@@ -45,7 +45,7 @@ from flax import nnx, struct
 
 from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
-                                    checkpoint_path)
+                                    checkpoint_path, record_window, sync_in_windows)
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.kv_cache import KVCache
@@ -194,11 +194,7 @@ class MTPDrafter(DrafterBase):
     """Records h^0 of the verify window (positions start..start+γ) for a later `sync`."""
     del ctx, num_accepted_B
     h0_BGD = nnx.merge(self.graphdef, params).h0(verify_out)
-    b, g1, _ = h0_BGD.shape
-    positions_BG = start_B[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]
-    h0_BLD = state.h0_BLD.at[jnp.arange(b)[:, None], positions_BG].set(
-        h0_BGD.astype(state.h0_BLD.dtype), mode='drop')
-    return state.replace(h0_BLD=h0_BLD)
+    return state.replace(h0_BLD=record_window(state.h0_BLD, h0_BGD, start_B))
 
   def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
     """Record, then catch up over the committed positions (the committed count comes from
@@ -211,12 +207,8 @@ class MTPDrafter(DrafterBase):
     mtp = nnx.merge(self.graphdef, params)
     b, length = ctx.tokens_BL.shape
     rows = jnp.arange(b)[:, None]
-    j = jnp.arange(self.num_draft + 1, dtype=jnp.int32)[None, :]
-    goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
 
-    def trip(st):
-      base_BW = st.cache.lengths_B[:, None] + j
-      committed_B = jnp.clip(goal_B - st.cache.lengths_B, 0, j.shape[1])
+    def trip(st, base_BW, committed_B):
       h0_BWD = st.h0_BLD[rows, jnp.minimum(base_BW, length - 1)]
       tokens_BW = ctx.tokens_BL[rows, jnp.minimum(base_BW + 1, length - 1)]
       cache, carry = self._catch_up(mtp, target, st.cache, st.carry_GBD, h0_BWD, tokens_BW,
@@ -224,7 +216,7 @@ class MTPDrafter(DrafterBase):
       return st.replace(cache=cache.with_lengths(st.cache.lengths_B + committed_B),
                         carry_GBD=carry)
 
-    return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), trip, state)
+    return sync_in_windows(state, ctx, self.num_draft + 1, trip)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], depth logits at position n-2 over the draft vocabulary
