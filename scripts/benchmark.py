@@ -3,10 +3,15 @@
   python scripts/benchmark.py --config=configs/bench_demo.py:quick --out_dir=runs/bench_quick
   python scripts/benchmark.py --config=configs/bench_tiny.py --out_dir=/tmp/bench_tiny
   python scripts/benchmark.py --render=runs/bench_quick   # docs/RESULTS.md section to stdout
+  python scripts/benchmark.py --config=configs/bench_demo.py:family --out_dir=runs/bench_family \
+      --resume   # an interrupted run: keeps the finished sweep points (same config only)
 
 Writes DIR/results.json (one row per dataset × method × temperature × batch × size, plus the
 transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (DESIGN §8); results.json
-appears only when the run finished. Library code: dspec/bench/harness.py.
+appears only when the run finished; until then DIR/results.partial.json holds every finished
+(dataset, temperature, batch size) sweep point, which --resume does not run again (each
+point's speedups compare with the AR run of the same point and process). Library code:
+dspec/bench/harness.py.
 """
 
 import os
@@ -25,6 +30,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_demo.py',
 _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory for results and plots.')
 _RENDER = flags.DEFINE_string('render', None, 'Print the docs/RESULTS.md section of a '
                               'finished run directory and exit.')
+_RESUME = flags.DEFINE_bool('resume', False, 'Continue an interrupted run of the same config '
+                            'in --out_dir from its partial results.')
 _DOCS_DIR = flags.DEFINE_string('docs_dir', 'docs', 'Plot links are relative to this (--render).')
 
 
@@ -41,7 +48,7 @@ def main(argv):
     raise cli.UserError('give --out_dir=DIR')
   command = 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
   status(f'benchmark into {_OUT_DIR.value}: loading the target and drafters')
-  rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command)
+  rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command, _RESUME.value)
   print(f'{len(rows)} rows -> {os.path.join(_OUT_DIR.value, report.RESULTS)}, '
         f'{report.MARKDOWN}, plots')
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import time
 from types import SimpleNamespace
@@ -339,12 +340,15 @@ class Benchmark:
     self.rows, self.entropy, self.peer_runs = [], {}, {}
     self.engines, self.draft_costs = {}, {}
 
-  def num_units(self) -> int:
-    per_batch = sum(-(-len(ids) // b) for ids in self.prompts.values()
-                    for b in self.bench.batch_sizes)
-    hf = 3 * self.bench.hf.num_prompts if self.bench.hf_peer else 0
+  def point_units(self, dataset: str, batch_size: int) -> int:
+    """Progress units of one sweep point: its batches × (AR + every method run)."""
     runs = 1 + len(self.plan) * len(self.verify_lengths)
-    return per_batch * len(self.bench.temperatures) * runs + hf
+    return -(-len(self.prompts[dataset]) // batch_size) * runs
+
+  def num_units(self) -> int:
+    hf = 3 * self.bench.hf.num_prompts if self.bench.hf_peer else 0
+    return len(self.bench.temperatures) * sum(
+        self.point_units(d, b) for d in self.prompts for b in self.bench.batch_sizes) + hf
 
   def _engines(self, key, drafter, settings: runner.Settings,
                verify_length: Optional[str]) -> Engines:
@@ -477,29 +481,75 @@ class Benchmark:
         'goal_speculative': best_key is not None and dspec_best_speedup >= 2 * hf_best_speedup,
     }
 
-  def run(self) -> list:
-    """The whole sweep (+ peer); writes every output under `out_dir`; returns the rows."""
+  def _progress(self, wall_s: float) -> dict:
+    """What `resume` needs: the config, the finished sweep points' rows, the entropy and
+    draft-cost measurements, the wall time so far."""
+    return {'config': report.json_ready(self.cfg.to_dict()), 'rows': self.rows,
+            'wall_s': wall_s, 'draft_cost': self._draft_cost_list(),
+            'entropy': [{'dataset': d, 'temperature': t, **e}
+                        for (d, t), e in self.entropy.items()]}
+
+  def _draft_cost_list(self) -> list:
+    return [{'method': m, 'num_draft': size, 'batch_size': b, **c}
+            for ((m, size), b), c in self.draft_costs.items()]
+
+  def resume(self) -> float:
+    """Loads `out_dir`'s partial results of an interrupted run of this same config: its
+    finished sweep points are not run again. Returns their wall time (0 without any)."""
+    path = os.path.join(self.out_dir, report.PARTIAL)
+    if not os.path.exists(path):
+      return 0.0
+    with open(path) as f:
+      saved = json.load(f)
+    if not isinstance(saved, dict) or 'config' not in saved:
+      raise UserError(f'{path} is from an older dspec and cannot be resumed; '
+                      'rerun without --resume')
+    now = report.json_ready(self.cfg.to_dict())
+    if saved['config'] != now:
+      differ = sorted(k for k in set(now) | set(saved['config'])
+                      if now.get(k) != saved['config'].get(k))
+      raise UserError(f'{path} was written with another config (differs in: '
+                      f'{", ".join(differ)}); rerun with that config or without --resume')
+    self.rows = saved['rows']
+    self.entropy = {(e.pop('dataset'), e.pop('temperature')): e for e in saved['entropy']}
+    self.draft_costs = {((c.pop('method'), c.pop('num_draft')), c.pop('batch_size')): c
+                        for c in saved['draft_cost']}
+    return float(saved['wall_s'])
+
+  def done_points(self) -> set:
+    """(dataset, temperature, batch size) of the sweep points whose rows are in."""
+    return {(r['dataset'], r['temperature'], r['batch_size']) for r in self.rows
+            if r.get('engine', 'dspec') == 'dspec' and r['method'] == 'ar'}
+
+  def run(self, resume: bool = False) -> list:
+    """The whole sweep (+ peer); writes every output under `out_dir`; returns the rows.
+    `resume`: continue an interrupted run of the same config from its partial results."""
     started = time.time()
-    report.remove_stale(self.out_dir)
+    earlier_s = self.resume() if resume else 0.0
+    done = self.done_points()
+    report.remove_stale(self.out_dir, keep_partial=resume)
     bench, peer = self.bench, None
     with tqdm(total=self.num_units(), desc='benchmark', unit='run', dynamic_ncols=True) as bar:
       for temperature in bench.temperatures:   # outermost: one sampling spec's programs
         for dataset in bench.datasets:          # at a time stay in the engine cache
           for batch_size in bench.batch_sizes:
+            if (dataset, float(temperature), int(batch_size)) in done:
+              bar.update(self.point_units(dataset, batch_size))
+              continue
             self.run_sweep_point(dataset, float(temperature), int(batch_size), bar)
-            report.write_json_atomic(os.path.join(self.out_dir, report.PARTIAL), self.rows)
+            report.write_json_atomic(os.path.join(self.out_dir, report.PARTIAL),
+                                     self._progress(earlier_s + time.time() - started))
       if bench.hf_peer:
         peer = self.run_peer(bar)
-    meta = report.run_metadata(self.cfg, self.command, time.time() - started)
+    meta = report.run_metadata(self.cfg, self.command, earlier_s + time.time() - started)
     meta.update(skipped=self.skipped, peer=peer, verify_lengths=list(self.verify_lengths),
-                draft_cost=[{'method': m, 'num_draft': size, **c}
-                            for ((m, size), _), c in self.draft_costs.items()],
-                entropy=[
+                draft_cost=self._draft_cost_list(), resumed=bool(done), entropy=[
         {'dataset': d, 'temperature': t, **e} for (d, t), e in self.entropy.items()])
     report.write_outputs(self.out_dir, self.rows, meta)
     return self.rows
 
 
-def run_benchmark(cfg, out_dir: str, command: str = '') -> list:
-  """Runs the configured benchmark into `out_dir` (results.json, results.md, plots)."""
-  return Benchmark(cfg, out_dir, command).run()
+def run_benchmark(cfg, out_dir: str, command: str = '', resume: bool = False) -> list:
+  """Runs the configured benchmark into `out_dir` (results.json, results.md, plots);
+  `resume` continues an interrupted run of the same config there."""
+  return Benchmark(cfg, out_dir, command).run(resume)

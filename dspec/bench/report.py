@@ -39,12 +39,18 @@ PLOTS = {
 }
 
 
-def remove_stale(out_dir: str) -> None:
-  """Creates `out_dir`; removes an earlier run's results.json so it cannot pass for this one."""
+def remove_stale(out_dir: str, keep_partial: bool = False) -> None:
+  """Creates `out_dir`; removes an earlier run's results.json so it cannot pass for this one
+  (and its partial results unless this run resumes them)."""
   os.makedirs(out_dir, exist_ok=True)
-  for name in (RESULTS, PARTIAL):
+  for name in (RESULTS,) if keep_partial else (RESULTS, PARTIAL):
     if os.path.exists(os.path.join(out_dir, name)):
       os.remove(os.path.join(out_dir, name))
+
+
+def json_ready(obj):
+  """`obj` as it reads back from JSON (tuples become lists), for comparing configs."""
+  return json.loads(json.dumps(obj, default=str))
 
 
 def machine_info() -> dict:

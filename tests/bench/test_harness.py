@@ -11,6 +11,7 @@ import pytest
 
 from configs import bench_demo, bench_tiny, common_bench
 from dspec.bench import harness, report, sol
+from dspec.cli import UserError
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.engine import SpeculativeEngine
 
@@ -103,6 +104,44 @@ def test_interrupted_run_removes_stale_results(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     harness.run_benchmark(_tiny_cfg(), str(tmp_path))
   assert not os.path.exists(tmp_path / report.RESULTS)
+
+
+def test_resume_skips_finished_sweep_points(tmp_path, monkeypatch):
+  """An interrupted run keeps its finished sweep points; --resume runs only the rest, and
+  refuses partial results of another config."""
+  def cfg(max_new_tokens=8):
+    c = _tiny_cfg()
+    c.bench.hf_peer = False
+    c.max_new_tokens = max_new_tokens
+    return c
+
+  real = harness.Benchmark.run_sweep_point
+  ran = []
+
+  def interrupted_after_one(self, dataset, *args):
+    if ran:
+      raise KeyboardInterrupt
+    ran.append(dataset)
+    return real(self, dataset, *args)
+
+  monkeypatch.setattr(harness.Benchmark, 'run_sweep_point', interrupted_after_one)
+  with pytest.raises(KeyboardInterrupt):
+    harness.run_benchmark(cfg(), str(tmp_path))
+  assert not os.path.exists(tmp_path / report.RESULTS)
+  with pytest.raises(UserError, match='max_new_tokens'):
+    harness.run_benchmark(cfg(9), str(tmp_path), resume=True)
+
+  def recorded(self, dataset, *args):
+    ran.append(dataset)
+    return real(self, dataset, *args)
+
+  monkeypatch.setattr(harness.Benchmark, 'run_sweep_point', recorded)
+  rows = harness.run_benchmark(cfg(), str(tmp_path), resume=True)
+  assert ran == ['humaneval', 'spec_bench/qa']
+  assert sorted((r['dataset'], r['method']) for r in rows) == [
+      (d, m) for d in ('humaneval', 'spec_bench/qa') for m in ('ar', 'ngram', 'suffix')]
+  with open(tmp_path / report.META) as f:
+    assert json.load(f)['resumed']
 
 
 def test_distinct_ngram_ratio():
