@@ -29,6 +29,7 @@ from dspec.files import write_atomic, write_json_atomic, write_text_atomic
 
 RESULTS = 'results.json'
 PARTIAL = 'results.partial.json'
+MIN_VERIFIED_TO_PLOT = 10   # conditional-acceptance plots skip rarer draft positions
 META = 'meta.json'
 MARKDOWN = 'results.md'
 PLOTS = {
@@ -183,13 +184,18 @@ def condition_plot_name(temperature: float, batch_size: int) -> str:
 
 
 def _curves(rows, temperature, batch_size) -> list:
-  """[(label, conditional curve)] for one condition's plot, one per method and draft size,
-  pooled over datasets and verify lengths."""
+  """[(label, conditional curve, verified counts or None)] for one condition's plot, one
+  per method and draft size, pooled over datasets and verify lengths."""
   sel = [r for r in _dspec(rows) if r['method'] != 'ar' and r['temperature'] == temperature
          and r['batch_size'] == batch_size]
-  return [(f'{method} ({size})', pooled_conditional(
-      [r for r in sel if r['method'] == method and r['num_draft'] == size]))
-          for method, size in _ordered((r['method'], r['num_draft']) for r in sel)]
+  curves = []
+  for method, size in _ordered((r['method'], r['num_draft']) for r in sel):
+    group = [r for r in sel if r['method'] == method and r['num_draft'] == size]
+    reached = None
+    if all('position_reached' in r for r in group):
+      reached = [sum(col) for col in zip(*(r['position_reached'] for r in group))]
+    curves.append((f'{method} ({size})', pooled_conditional(group), reached))
+  return curves
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -290,14 +296,17 @@ def make_plots(rows: list, out_dir: str) -> list:
   names = []
   for t, b in _conditions(rows):
     fig, ax = plt.subplots(figsize=(5.5, 3.6), layout='constrained')
-    for label_, curve in _curves(rows, t, b):
+    for label_, curve, reached in _curves(rows, t, b):
+      if reached is not None:   # a ratio of a handful of steps is noise, not a curve
+        curve = [c if n >= MIN_VERIFIED_TO_PLOT else math.nan for c, n in zip(curve, reached)]
       if curve:
         ax.plot(range(1, len(curve) + 1), curve, marker='.', label=label_)
     ax.set_ylim(0, 1.02)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel('draft position k')
     ax.set_ylabel('P(accept k | accepted k-1)')
-    ax.set_title(f'Conditional acceptance (T={t:g}, batch {b}, all datasets)')
+    ax.set_title(f'Conditional acceptance (T={t:g}, batch {b}, all datasets)\n'
+                 f'positions verified >= {MIN_VERIFIED_TO_PLOT} times', fontsize=9)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=7)
     names.append(condition_plot_name(t, b))

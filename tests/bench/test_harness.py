@@ -286,11 +286,11 @@ def test_draft_cost_and_condition_report(both_modes):
   name = report.condition_plot_name(0.0, 1)
   assert name in meta['plots'] and os.path.getsize(os.path.join(out, name)) > 0
   # One curve per method, pooled over both verify lengths from the per-position counters.
-  (label, curve), _ = report._curves(rows, 0.0, 1)
+  (label, curve, counts), _ = report._curves(rows, 0.0, 1)
   fixed, auto = _by(rows, 'ngram', 'fixed'), _by(rows, 'ngram', 'auto')
   reached = np.add(fixed['position_reached'], auto['position_reached'])
   passed = np.add(fixed['position_passed'], auto['position_passed'])
-  assert label == 'ngram (4)' and reached[0] > 0
+  assert label == 'ngram (4)' and reached[0] > 0 and counts == list(reached)
   assert curve == pytest.approx(list(np.where(reached > 0, passed / np.maximum(reached, 1), 0)))
   assert fixed['per_position_acceptance_conditional'] == pytest.approx(
       list(np.where(np.asarray(fixed['position_reached']) > 0, np.asarray(
