@@ -113,8 +113,7 @@ class Eagle3FirstLayer(nnx.Module):
     h = jnp.concatenate([self.input_layernorm(e_BTD), hidden], axis=-1)
     q = self.self_attn.project_q(h, sin, cos)
     k, v = self.self_attn.project_kv(h, sin, cos)
-    k_all, v_all, mask = kv_fn(k, v)
-    x = residual + self.self_attn.output(attend(q, k_all, v_all, mask))
+    x = residual + self.self_attn.output(attend(q, *kv_fn(k, v)))
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,21 +201,22 @@ class Eagle3Model(DraftVocab, nnx.Module):
     x_{t+2+s}. Indices whose inputs run past the data are the caller's to mask."""
     b, t, _ = g_BTD.shape
     pos_T = jnp.arange(t, dtype=jnp.int32)
-    causal_TT = pos_T[None, :] <= pos_T[:, None]
-    eye_TT = pos_T[None, :] == pos_T[:, None]
-    keys = [[] for _ in self.layers]   # per layer: (k, v) of every earlier step
+    causal_BTT = jnp.broadcast_to(pos_T[None, :] <= pos_T[:, None], (b, t, t))
+    first = [None for _ in self.layers]   # per layer: step 0's (k, v), attended causally
+    later = [[] for _ in self.layers]     # per layer: steps 1..s's (k, v), on the diagonal
     out, g = [], g_BTD
     for s in range(steps):
       tokens_BT = tokens_BS[:, 1 + s:1 + s + t]
       tokens_BT = jnp.pad(tokens_BT, ((0, 0), (0, t - tokens_BT.shape[1])))
-      mask_BTS = jnp.broadcast_to(jnp.concatenate([causal_TT] + [eye_TT] * s, axis=1),
-                                  (b, t, t * (s + 1)))
 
-      def kv_fn_of(i, mask_BTS=mask_BTS):
+      def kv_fn_of(i, s=s):
         def kv_fn(k_new, v_new):
-          keys[i].append((k_new, v_new))
-          return (jnp.concatenate([k for k, _ in keys[i]], axis=1),
-                  jnp.concatenate([v for _, v in keys[i]], axis=1), mask_BTS)
+          if s == 0:
+            first[i] = (k_new, v_new)
+            return k_new, v_new, causal_BTT
+          later[i].append((k_new, v_new))
+          return (*first[i], causal_BTT, (jnp.stack([k for k, _ in later[i]], axis=2),
+                                          jnp.stack([v for _, v in later[i]], axis=2)))
         return kv_fn
 
       x = self.block(target, g, tokens_BT, jnp.broadcast_to(pos_T + s, (b, t)), kv_fn_of)

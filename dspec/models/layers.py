@@ -39,8 +39,13 @@ def apply_rope(x_BTHD, sin_BTF, cos_BTF):
   return out.astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-  """Softmax attention with GQA; fully masked rows give zeros."""
+def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS, diagonal=None):
+  """Softmax attention with GQA; fully masked rows give zeros.
+
+  `diagonal` = (k_BTJKD, v_BTJKD): J extra keys per query, query t seeing only its own row
+  t of each (EAGLE-3's training-time test: the earlier steps' keys at the same index), in
+  the same softmax; J·T scores instead of J·T² for the equivalent eye-masked key blocks.
+  """
   b, t, h, d = q_BTHD.shape
   kv_heads = k_BSKD.shape[2]
   q_BTKGD = q_BTHD.reshape(b, t, kv_heads, h // kv_heads, d)
@@ -48,10 +53,19 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
                       preferred_element_type=jnp.float32) * (d ** -0.5)
   mask = mask_BTS[:, None, None, :, :]
   scores = jnp.where(mask, scores, -1e30)
+  s = scores.shape[-1]
+  if diagonal is not None:
+    k_BTJKD, v_BTJKD = diagonal
+    diag = jnp.einsum('btkgd,btjkd->bkgtj', q_BTKGD, k_BTJKD,
+                      preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.concatenate([scores, diag], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BSKD,
+  probs_main = jnp.where(mask, probs[..., :s], 0.0).astype(v_BSKD.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs_main, v_BSKD,
                    preferred_element_type=jnp.float32)
+  if diagonal is not None:
+    out = out + jnp.einsum('bkgtj,btjkd->btkgd', probs[..., s:].astype(v_BTJKD.dtype),
+                           v_BTJKD, preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
 
 
@@ -120,10 +134,10 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x_BTD, sin, cos, kv_fn):
-    """kv_fn(k_BTKD, v_BTKD) -> (k_all, v_all, mask_BTS): merges with a cache or context."""
+    """kv_fn(k_BTKD, v_BTKD) -> (k_all, v_all, mask_BTS[, diagonal]), the keys and values
+    merged with a cache or context: the arguments of `attend` after q."""
     h = self.input_layernorm(x_BTD)
     q = self.self_attn.project_q(h, sin, cos)
     k, v = self.self_attn.project_kv(h, sin, cos)
-    k_all, v_all, mask = kv_fn(k, v)
-    x_BTD = x_BTD + self.self_attn.output(attend(q, k_all, v_all, mask))
+    x_BTD = x_BTD + self.self_attn.output(attend(q, *kv_fn(k, v)))
     return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
