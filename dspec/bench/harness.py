@@ -486,8 +486,10 @@ class Benchmark:
     draft-cost measurements, the wall time so far."""
     return {'config': report.json_ready(self.cfg.to_dict()), 'rows': self.rows,
             'wall_s': wall_s, 'draft_cost': self._draft_cost_list(),
-            'entropy': [{'dataset': d, 'temperature': t, **e}
-                        for (d, t), e in self.entropy.items()]}
+            'entropy': self._entropy_list()}
+
+  def _entropy_list(self) -> list:
+    return [{'dataset': d, 'temperature': t, **e} for (d, t), e in self.entropy.items()]
 
   def _draft_cost_list(self) -> list:
     return [{'method': m, 'num_draft': size, 'batch_size': b, **c}
@@ -543,8 +545,8 @@ class Benchmark:
         peer = self.run_peer(bar)
     meta = report.run_metadata(self.cfg, self.command, earlier_s + time.time() - started)
     meta.update(skipped=self.skipped, peer=peer, verify_lengths=list(self.verify_lengths),
-                draft_cost=self._draft_cost_list(), resumed=bool(done), entropy=[
-        {'dataset': d, 'temperature': t, **e} for (d, t), e in self.entropy.items()])
+                draft_cost=self._draft_cost_list(), resumed=bool(done),
+                entropy=self._entropy_list())
     report.write_outputs(self.out_dir, self.rows, meta)
     return self.rows
 
