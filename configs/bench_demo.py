@@ -14,7 +14,9 @@ trained size, 4 HF prompts; ~15 min) or full (the default, a few hours: 10 promp
 per dataset, 128 new tokens, T in {0, 1}, sizes (num_draft) {4, 8, 16} (DFlash {3, 7, 15}: blocks 4, 8, 16), batch {1, 4}, 4 HF prompts).
 Prompts keep their last 256 (quick: 128) tokens, padded to that one width. Datasets:
 HumanEval, GSM8K test and Spec-Bench's six groups (data/, or --config.data_dir).
-An empty drafters.<m>.path skips that method. Every preset runs the default verify length
+An empty drafters.<m>.path skips that method. Method mtp_vocab: demo/mtp with its drafts
+restricted to demo/token_map_2048.json (FastMTP's vocabulary compression; not in a preset).
+Every preset runs the default verify length
 ('auto': the load-aware controller; --config.verify_length=fixed for full-γ verification).
 Argument target=DIR: the target checkpoint (default demo/target; the drafters must fit it).
 
@@ -60,6 +62,9 @@ def get_config(arg=None):
   b.max_prompt_tokens = 256    # the target was trained on 256-token windows
   b.prompt_bucket = 256        # one prompt width: every engine compiles once
   b.hf.num_prompts = 4
+  # The MTP restricted to the 2048 tokens the target writes most (scripts/token_map.py):
+  # --config.bench.methods="('mtp','mtp_vocab')".
+  b.variants.mtp_vocab = {'drafter': 'mtp', 'token_map': 'demo/token_map_2048.json'}
   if args.quick:
     cfg.max_new_tokens = 64
     cfg.timing_repeats = 1

@@ -17,7 +17,9 @@ compression; 0 = full), joint, tiny (random tiny target and few steps:
 for tests; pass --config.data.path / --config.drafters.mtp.path). Architecture knobs
 (the ablation): --config.mtp.{kind,concat_order,h0_source,chain_hidden,
 zero_pos0_embedding,share_final_norm,shared_depth}. Decode: drafters.mtp.num_draft
-(0 = all trained depths), drafters.mtp.sample_proposals (T > 0: sampled drafts with q).
+(0 = all trained depths), drafters.mtp.sample_proposals (T > 0: sampled drafts with q),
+drafters.mtp.token_map (a JSON list of token ids, e.g. demo/token_map_2048.json from
+scripts/token_map.py: a full-vocabulary MTP drafts from those tokens only).
 drafters.mtp.path also takes a speculators `mtp` directory or a HF checkpoint with
 DeepSeek-V3-layout MTP layers (num_nextn_predict_layers; dense blocks only), see
 dspec/models/mtp_formats.py.

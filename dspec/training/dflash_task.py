@@ -39,6 +39,7 @@ from flax import nnx
 
 from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashModel, save_dflash
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
+from dspec.models.draft_vocab import frequent_tokens
 from dspec.training.losses import token_cross_entropy
 from dspec.sampling import top_k
 from dspec.training.trainer import TrainTask
@@ -262,19 +263,6 @@ def bd3lm_loss(drafter, target, batch, key, *, eps_min: float, eps_max: float,
 # ------------------------------------------------------------------------------- task
 
 
-def frequent_tokens(tokens, loss_mask, count: int, vocab_size: int) -> tuple:
-  """The `count` token ids the target writes most often (ties: more frequent overall,
-  then lower id), sorted: the draft vocabulary of a reduced head."""
-  if not 0 < count <= vocab_size:
-    raise ValueError(f'dflash draft_vocab_size must be in [1, {vocab_size}] (or 0 for the '
-                     f'full vocabulary), got {count}')
-  written = np.bincount(tokens[loss_mask.astype(bool)].ravel(), minlength=vocab_size)
-  seen = np.bincount(tokens.ravel(), minlength=vocab_size)
-  ids = np.arange(vocab_size)
-  order = np.lexsort((ids, -seen[:vocab_size], -written[:vocab_size]))
-  return tuple(sorted(int(i) for i in order[:count]))
-
-
 # DFlash-2 fields of the `dflash` config section (absent from DFlash configs).
 DFLASH2_FIELDS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 
@@ -319,7 +307,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
   draft_vocab = ()
   if d.draft_vocab_size:
     draft_vocab = frequent_tokens(tokens, loss_mask, d.draft_vocab_size,
-                                  target.cfg.vocab_size)
+                                  target.cfg.vocab_size, 'dflash.draft_vocab_size')
   drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id, draft_vocab)
 
   def get_batch(step: int) -> dict:

@@ -8,7 +8,7 @@ draft vocabulary. With `soft_targets` the label is the target's own distribution
 t+1+s restricted to the draft vocabulary (EAGLE-3's soft CE) instead of the written token.
 
 The reduced draft vocabulary is the `draft_vocab_size` tokens the target writes most often
-in the distilled data (`dflash_task.frequent_tokens`); the head starts as the target's
+in the distilled data (`draft_vocab.frequent_tokens`); the head starts as the target's
 rows of those tokens and is trained with the rest. The target is frozen (stop_gradient).
 """
 
@@ -21,8 +21,8 @@ from flax import nnx
 
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  save_eagle3)
+from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.mtp import shifted
-from dspec.training.dflash_task import frequent_tokens
 from dspec.training.distill import fit_rows, split_distilled
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
@@ -114,7 +114,7 @@ def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
   draft_vocab = ()
   if e.draft_vocab_size:
     draft_vocab = frequent_tokens(tokens, loss_mask, e.draft_vocab_size,
-                                  target.cfg.vocab_size)
+                                  target.cfg.vocab_size, 'eagle3.draft_vocab_size')
   model = build_model(cfg, target, draft_vocab)
   rows = split_distilled({'tokens': tokens, 'loss_mask': loss_mask}, tokens.shape[1],
                          cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)

@@ -12,7 +12,7 @@ Depth k at position i reads t_{i+k} and predicts t_{i+k+1} (`MTP.__call__`).
 
 A reduced draft vocabulary (`mtp.draft_vocab_size` > 0, post-hoc only; FastMTP's
 vocabulary compression) is the `draft_vocab_size` tokens the target writes most often in
-the distilled data (`dflash_task.frequent_tokens`, as DFlash and EAGLE-3 choose theirs);
+the distilled data (`draft_vocab.frequent_tokens`, as DFlash and EAGLE-3 choose theirs);
 the depths then score only those rows of the shared head, and CE covers the labels inside
 the subset.
 
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
-from dspec.training.dflash_task import frequent_tokens
 from dspec.training.distill import split_distilled
 from dspec.training.losses import masked_mean, token_cross_entropy
 from dspec.training.trainer import TrainTask
@@ -230,12 +230,10 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
   rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
   vocab = target.cfg.vocab_size
   if draft_vocab_size:
-    if not 0 < draft_vocab_size <= vocab:
-      raise ValueError(f'mtp.draft_vocab_size must be in [1, {vocab}] (or 0 for the full '
-                       f'vocabulary), got {draft_vocab_size}')
     train = slice(0, rows.num_train)
     mtp_cfg = dataclasses.replace(mtp_cfg, draft_vocab=frequent_tokens(
-        rows.tokens[train], rows.loss_mask[train], draft_vocab_size, vocab))
+        rows.tokens[train], rows.loss_mask[train], draft_vocab_size, vocab,
+        'mtp.draft_vocab_size'))
   mtp = MTP(mtp_cfg, target.cfg, rngs=nnx.Rngs(tcfg.seed))
   weights = depth_weights(mtp_cfg.num_depths, tcfg.mtp_beta)
   evaluate = _evaluator(_chunks(rows.held_tokens, rows.held_mask, tcfg.batch_size))

@@ -29,6 +29,7 @@ from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashModel,
                                  default_target_layer_ids, load_dflash)
+from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.transformer import Transformer
 from dspec.training import dflash_task, tasks
 from pallas_kernels.block_attention import DFlashDraftMask, DFlashTrainMask
@@ -257,10 +258,10 @@ def test_greedy_lossless_against_ar(toy, ragged_run):
 def test_reduced_draft_vocabulary(toy):
   tokens = np.array([[5, 5, 7, 2, 2, 2]])
   written = np.array([[0, 1, 1, 0, 0, 1]], bool)
-  assert dflash_task.frequent_tokens(tokens, written, 2, 10) == (2, 5)   # tie: 2 seen more
-  assert dflash_task.frequent_tokens(tokens, written, 4, 10) == (0, 2, 5, 7)
+  assert frequent_tokens(tokens, written, 2, 10) == (2, 5)   # tie: 2 seen more
+  assert frequent_tokens(tokens, written, 4, 10) == (0, 2, 5, 7)
   with pytest.raises(ValueError, match='draft_vocab_size'):
-    dflash_task.frequent_tokens(tokens, written, 11, 10)
+    frequent_tokens(tokens, written, 11, 10)
 
   trained = checkpoint.read_model_metadata(toy['cfg'].drafters.dflash.path, 'dflash')
   vocab = trained['config']['dflash']['draft_vocab']

@@ -4,8 +4,11 @@ The depths score only `draft_vocab` (rows of the shared head): draft logits are 
 ones restricted to the subset, drafts are target ids inside it, and at T > 0 the q handed to
 rejection sampling is over the full vocabulary with zeros outside the subset. Greedy output
 equals AR and sampled output follows the target (chi-square on the first token and the
-3-token joint). Post-hoc training picks the subset from the distilled written-token counts.
+3-token joint). Post-hoc training picks the subset from the distilled written-token counts;
+a token map restricts a full-vocabulary MTP when it is loaded.
 """
+
+import json
 
 import jax
 import ml_collections
@@ -14,12 +17,14 @@ import pytest
 from flax import nnx
 
 from conftest import TINY, generate, greedy_rows
+from configs import common
+from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.models.mtp import MTP, MTPConfig, load_mtp
+from dspec.models.draft_vocab import frequent_tokens
+from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp
 from dspec.sampling import SamplingSpec
 from dspec.training import trainer
-from dspec.training.dflash_task import frequent_tokens
 from dspec.training.mtp_task import build_joint_task, posthoc_task
 from lossless_checks import check_engine_samples_match_target
 
@@ -105,6 +110,40 @@ def test_sampled_reduced_mtp_is_lossless(small_vocab_model):
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
                                     [1, 5, 2, 7], temperature=1.0, num_samples=40_000,
                                     num_tokens=3)
+
+
+def test_token_map_restricts_a_full_vocabulary_mtp(tiny_model, tiny_split, tmp_path):
+  """drafters.mtp.token_map gives the drafter a trained reduced MTP would have (same
+  weights, drafts inside the map); greedy output equals AR; bad maps are refused."""
+  full = random_mtp(MTPConfig(num_depths=3))
+  save_mtp(str(tmp_path / 'mtp'), full)
+  token_map = tmp_path / 'map.json'
+  token_map.write_text(json.dumps(list(reversed(VOCAB))))
+  cfg = common.decode_config('tiny')
+  cfg.drafter = 'mtp'
+  cfg.drafters.mtp.path = str(tmp_path / 'mtp')
+  cfg.drafters.mtp.token_map = str(token_map)
+  drafter, params = registry.build_drafter(cfg, tiny_model)
+  assert drafter.config.draft_vocab == VOCAB
+  expected, _ = MTPDrafter.from_model(random_mtp(MTPConfig(num_depths=3, draft_vocab=VOCAB)))
+  assert drafter.config == expected.config
+
+  ar, _ = generate(SpeculativeEngine(tiny_split[0]), tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  engine = SpeculativeEngine(tiny_split[0], drafter=drafter)
+  outs, state = generate(engine, tiny_split[1], params, PROMPTS, NEW_TOKENS)
+  assert outs == ar
+  assert int(np.asarray(state.stats.proposed_B).sum()) > 0
+
+  for text, message in (('[1, 2, 2]', 'repeats token ids'), ('[0, 64]', r'in \[0, 64\)'),
+                        ('{"a": 1}', 'non-empty JSON list'), ('[1.5]', 'non-empty JSON list'),
+                        ('[]', 'non-empty JSON list'), ('[1,', 'not JSON')):
+    token_map.write_text(text)
+    with pytest.raises(ValueError, match=message):
+      registry.build_drafter(cfg, tiny_model)
+  save_mtp(str(tmp_path / 'reduced'), random_mtp(MTPConfig(num_depths=3, draft_vocab=VOCAB)))
+  cfg.drafters.mtp.path = str(tmp_path / 'reduced')
+  with pytest.raises(ValueError, match='already drafts from 22 tokens'):
+    registry.build_drafter(cfg, tiny_model)
 
 
 # ------------------------------------------------------------------------- training

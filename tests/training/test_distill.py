@@ -1,12 +1,21 @@
-"""Self-distillation writes complete shards only, resumes, and masks target-written tokens."""
+"""Self-distillation writes complete shards only, resumes, and masks target-written tokens;
+the token map of a distilled dataset ranks the written tokens."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
+from conftest import REPO_ROOT
 from configs import distill_demo
+from dspec import checkpoint
+from dspec.models.config import TransformerConfig
+from dspec.models.draft_vocab import frequent_tokens
+from dspec.models.transformer import Transformer
 from dspec.training import distill
 
 
@@ -59,3 +68,29 @@ def test_distill_refuses_a_dataset_made_with_other_settings(tiny_cfg, tmp_path):
 def test_load_distilled_missing_dir_is_clear(tmp_path):
   with pytest.raises(FileNotFoundError, match='distill'):
     distill.load_distilled(str(tmp_path / 'nope'))
+
+
+def test_token_map_script_ranks_written_tokens(tiny_cfg, tmp_path):
+  """scripts/token_map.py writes the ids a reduced draft head would train on, and keeps an
+  existing file."""
+  out = str(tmp_path / 'd')
+  distill.distill(tiny_cfg, out)
+  target_cfg = TransformerConfig(**tiny_cfg.model.shape)
+  checkpoint.save_model(str(tmp_path / 'target'), Transformer(target_cfg, rngs=nnx.Rngs(0)),
+                        kind='target', config=target_cfg.to_dict())
+  token_map = tmp_path / 'map.json'
+  args = [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'token_map.py'), f'--data={out}',
+          '--size=5', f'--out={token_map}', f'--target={tmp_path / "target"}']
+  proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  data = distill.load_distilled(out)
+  expected = frequent_tokens(data['tokens'], data['loss_mask'], 5, target_cfg.vocab_size)
+  assert json.loads(token_map.read_text()) == list(expected)
+  assert 'wrote 5 token ids' in proc.stdout
+
+  token_map.write_text('mine')
+  proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+  assert [line for line in proc.stderr.splitlines() if line.startswith('error: ')] == \
+      [f'error: {token_map} exists (pass --force to replace it)']
+  assert token_map.read_text() == 'mine'

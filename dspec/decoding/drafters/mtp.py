@@ -29,7 +29,8 @@ inference see the same causal context at every depth. Rollback = lengths/frontie
 the committed count; nothing is copied. The parallel variant has no lag (head k reads h^0
 only): its depths share depth 1's window and each drafts from its own carry.
 
-With a reduced draft vocabulary each depth scores only `draft_vocab`; drafts are mapped
+With a reduced draft vocabulary (trained, or a full-vocabulary MTP restricted at load time
+by `drafters.mtp.token_map`) each depth scores only `draft_vocab`; drafts are mapped
 back to target ids, and at T > 0 a sampled draft's q is placed into the full vocabulary
 (zero outside the subset), so rejection sampling stays exact.
 """
@@ -48,6 +49,7 @@ from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_an
                                     checkpoint_path, record_window, sync_in_windows)
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
+from dspec.models.draft_vocab import read_token_map
 from dspec.models.kv_cache import KVCache
 from dspec.models.mtp import MTP, MTPConfig, load_mtp
 
@@ -277,7 +279,15 @@ class MTPDrafter(DrafterBase):
 def build(cfg, target):
   """(MTPDrafter, params) from `cfg.drafters.mtp` (a dspec checkpoint, a speculators `mtp`
   directory or a HF checkpoint with DeepSeek-V3-layout MTP layers); num_draft 0: every
-  trained depth."""
+  trained depth. A `token_map` file restricts a full-vocabulary MTP's drafts to its
+  token ids (FastMTP's vocabulary compression at inference)."""
   c = cfg.drafters.mtp
-  mtp = load_mtp(checkpoint_path(cfg, 'mtp'), target_cfg=target.cfg)
+  path = checkpoint_path(cfg, 'mtp')
+  mtp = load_mtp(path, target_cfg=target.cfg)
+  if c.token_map:
+    if mtp.cfg.draft_vocab:
+      raise ValueError(f'drafters.mtp.token_map restricts a full-vocabulary MTP, but {path} '
+                       f'already drafts from {len(mtp.cfg.draft_vocab)} tokens')
+    mtp.cfg = dataclasses.replace(
+        mtp.cfg, draft_vocab=read_token_map(c.token_map, target.cfg.vocab_size))
   return MTPDrafter.from_model(mtp, c.num_draft, c.sample_proposals)

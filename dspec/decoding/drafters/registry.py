@@ -33,7 +33,7 @@ DEFAULTS = {
                'max_spec_factor': 1.0, 'max_spec_offset': 0.0, 'max_cached_requests': 1000},
     'oracle': {'num_draft': 8, 'acceptance': [0.8]},
     'self': {'num_draft': 4},
-    'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False},
+    'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False, 'token_map': ''},
     'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'attention_impl': 'xla'},
     'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
                'attention_impl': 'xla'},
