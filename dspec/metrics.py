@@ -17,6 +17,9 @@ def acceptance_metrics(stats, rows=None) -> dict:
   conditional P(n >= k | n >= k-1) over the steps that verified a draft at k with every
   earlier one accepted (exact under a varying verify length; 0.0 where none did).
   acceptance_lengths: row 0's committed tokens per verify step (when the stats carry them).
+  verified_per_committed: positions sent to verification (each step's drafts plus the one
+  the target always scores) per committed token; 1.0 for AR, lower is less wasted verify
+  work (what a per-request verify length saves in a ragged batch).
   """
   hist = np.asarray(stats.accept_hist_BG1, np.int64)
   steps = np.asarray(stats.steps_B, np.int64)
@@ -48,6 +51,8 @@ def acceptance_metrics(stats, rows=None) -> dict:
       'position_reached': [int(c) for c in reached],
       'position_passed': [int(c) for c in passed],
       'verify_steps': int(steps.sum()),
+      'verified_per_committed': float((steps.sum() + proposed.sum()) / committed.sum())
+                                if committed.sum() else 1.0,
   }
   row0 = getattr(stats, 'row0_committed_S', None)
   if row0 is not None and rows is None:

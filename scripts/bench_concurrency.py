@@ -158,6 +158,12 @@ def _markdown(rows, goals, skipped) -> str:
     lines.append(f'| {m} | ' + ' | '.join(
         f"{cell[m, b]['tokens_per_s']:.0f} tok/s ({cell[m, b]['speedup']:.2f}×)"
         for b in conc) + ' |')
+  lines += ['', 'Positions verified per committed token (1.0 for AR):', '',
+            '| method | ' + ' | '.join(f'B={b}' for b in conc) + ' |',
+            '|---|' + '---|' * len(conc)]
+  for m in methods:
+    lines.append(f'| {m} | ' + ' | '.join(
+        f"{cell[m, b]['verified_per_committed']:.2f}" for b in conc) + ' |')
   lines.append('')
   for name, g in goals.items():
     lines += [f"{name}: controller / AR, minimum over B: {g['controller_vs_ar_min']:.3f} "
@@ -255,7 +261,8 @@ def main(argv):
       decode_s = statistics.median(times[m])
       row = {'method': m, 'concurrency': b, **info[m], 'tokens_per_s': new_tokens / decode_s,
              'decode_s': decode_s, 'new_tokens': new_tokens,
-             'tau': acceptance_metrics(states[m].stats)['tau'],
+             **{k: acceptance_metrics(states[m].stats)[k]
+                for k in ('tau', 'verified_per_committed')},
              'lossless': generated_ids(states[m]) == ar_ids if spec.greedy else None}
       if isinstance(e, VerifyLengthController):
         row['tier_usage'] = {str(g): round(f, 3) for g, f in e.tier_usage().items()}

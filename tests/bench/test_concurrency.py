@@ -30,18 +30,21 @@ def test_two_drafters_share_one_ar_baseline(tmp_path):
     assert r['lossless'] is True, r
     assert r['new_tokens'] == 8 * r['concurrency'] and r['tokens_per_s'] > 0
     if r['method'] == 'ar':
-      assert r['speedup'] == 1.0 and r['tau'] == 1.0
+      assert r['speedup'] == 1.0 and r['tau'] == 1.0 and r['verified_per_committed'] == 1.0
     if r['verify_length'] == 'auto':
       assert r['num_draft'] == 3 and set(r['step_costs_ms']) == {'0', '3'}
       assert abs(sum(r['tier_usage'].values()) - 1.0) < 0.01
   oracle = [r for r in rows if r['drafter'] == 'oracle' and r['verify_length'] == 'fixed']
   assert all(r['tau'] > 1.0 for r in oracle)   # the oracle's drafts are accepted
+  # γ=3 verifies at most 4 positions per step and commits τ of them.
+  assert all(1.0 < r['verified_per_committed'] <= 4 / r['tau'] + 1e-9 for r in oracle)
   assert set(out['goals']) == {'ngram', 'oracle'}
   assert out['tiers'] == {'ngram': [0, 3], 'oracle': [0, 3]}
   for g in out['goals'].values():
     assert g['controller_vs_ar_min'] > 0 and g['smallest_concurrency'] == 1
   text = (tmp_path / 'concurrency.md').read_text()
   assert '| oracle controller |' in text and 'oracle: controller / AR' in text
+  assert 'Positions verified per committed token' in text
   assert (tmp_path / 'concurrency.png').stat().st_size > 0
 
 

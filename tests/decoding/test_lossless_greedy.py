@@ -12,6 +12,7 @@ from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.oracle import OracleDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.metrics import acceptance_metrics
 
 # Repetitive prompts so n-gram drafts are sometimes right, sometimes wrong.
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
@@ -65,3 +66,6 @@ def test_per_position_counters_follow_the_trace(tiny_split):
   np.testing.assert_array_equal(np.asarray(state.stats.passed_BG)[0], passed)
   np.testing.assert_array_equal(np.asarray(state.stats.passed_BG).sum(1),
                                 np.asarray(state.stats.accepted_B))
+  committed = int(state.stats.committed_B[0])
+  assert acceptance_metrics(state.stats, rows=[0])['verified_per_committed'] == \
+      pytest.approx((steps + proposed.sum()) / committed)
