@@ -23,7 +23,8 @@ def bench_section() -> ml_collections.ConfigDict:
       'methods': ('ngram', 'suffix', 'mtp', 'dflash'),   # AR always runs as the baseline
       'temperatures': (0.0, 1.0),
       'sizes': (4, 8, 16),         # draft lengths: each sets drafters.<method>.num_draft
-      # Per-method sizes replacing `sizes` (e.g. MTP is limited to its trained depth).
+      # Per-method sizes replacing `sizes` (e.g. MTP is limited to its trained depth); a
+      # variant without its own entry takes its drafter's.
       'method_sizes': ml_collections.ConfigDict({'mtp': (3,), 'dflash': (3, 7, 15)}),
       'batch_sizes': (1,),
       # Verify lengths to run every method with: () = the config's verify_length ('auto':

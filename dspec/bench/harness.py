@@ -228,7 +228,9 @@ def run_config(cfg, method: str, temperature: float = 0.0, batch_size: int = 1,
 
 def plan_methods(cfg) -> tuple:
   """([(method, size or None)], {skipped method: reason}) from `bench.methods`. A method
-  whose checkpoint path is empty or not a directory is skipped, with the reason."""
+  whose checkpoint path is empty or not a directory is skipped, with the reason. Sizes:
+  `bench.method_sizes` of the method, else of its registry drafter (a variant), else
+  `bench.sizes`."""
   bench, plan, skipped = cfg.bench, [], {}
   for method in bench.methods:
     if method in ('ar', 'none'):
@@ -246,7 +248,8 @@ def plan_methods(cfg) -> tuple:
       if not os.path.isdir(sub.path):
         skipped[method] = f'no checkpoint: {sub.path} does not exist'
         continue
-    plan += [(method, int(s)) for s in bench.method_sizes.get(method, bench.sizes)]
+    sizes = bench.method_sizes.get(method, bench.method_sizes.get(drafter, bench.sizes))
+    plan += [(method, int(s)) for s in sizes]
   return plan, skipped
 
 

@@ -184,6 +184,8 @@ def test_demo_bench_presets_plan_every_method(arg):
   plan, skipped = harness.plan_methods(cfg)
   assert not skipped and {m for m, _ in plan} == {'ngram', 'suffix', 'mtp', 'dflash'}
   assert len(cfg.bench.datasets) == (2 if arg == 'goals' else 8) and cfg.bench.hf_peer
+  cfg.bench.methods = ('mtp', 'mtp_vocab')   # a variant takes its drafter's sizes
+  assert harness.plan_methods(cfg)[0] == [('mtp', 3), ('mtp_vocab', 3)]
   cfg.drafters.mtp.path = ''
   assert 'mtp' in harness.plan_methods(cfg)[1], 'a method without a checkpoint is skipped'
 
