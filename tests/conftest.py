@@ -1,6 +1,5 @@
 """Shared tiny models: built once per session so jitted programs are reused across tests."""
 
-import gc
 import os
 import sys
 
@@ -13,27 +12,17 @@ from flax import nnx
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)   # `configs` is a folder of the repo, not an installed package
 
+from dspec import compiled_programs  # noqa: E402
 from dspec.decoding.prompts import generated_ids, pad_prompts  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 
-# XLA:CPU maps every compiled program's code in several memory mappings; a whole-suite
-# process would pass the kernel's vm.max_map_count (65530 by default) and segfault inside
-# the compiler. Past this many mappings the compiled programs are dropped (they recompile).
-MAX_MEMORY_MAPS = 40_000
-
-
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
+  """Drops compiled programs between tests once the process holds many memory mappings
+  (a whole-suite process would otherwise pass vm.max_map_count and crash in the compiler)."""
   yield
-  try:
-    with open('/proc/self/maps') as f:
-      count = sum(1 for _ in f)
-  except OSError:   # no procfs: nothing to watch
-    return
-  if count > MAX_MEMORY_MAPS:
-    jax.clear_caches()
-    gc.collect()
+  compiled_programs.release_if_many_maps()
 
 
 TINY = TransformerConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,

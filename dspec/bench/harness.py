@@ -68,7 +68,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from dspec import datasets, loading
+from dspec import compiled_programs, datasets, loading
 from dspec.bench import draft_cost, hf_peer, report, sol
 from dspec.cli import UserError
 from dspec.decoding import drafter as drafter_lib
@@ -542,6 +542,7 @@ class Benchmark:
               bar.update(self.point_units(dataset, batch_size))
               continue
             self.run_sweep_point(dataset, float(temperature), int(batch_size), bar)
+            compiled_programs.release_if_many_maps()   # a family run compiles hundreds
             report.write_json_atomic(os.path.join(self.out_dir, report.PARTIAL),
                                      self._progress(earlier_s + time.time() - started))
       if bench.hf_peer:
