@@ -11,7 +11,6 @@ training tasks rank a reduced draft vocabulary (`draft_vocab.frequent_tokens`). 
 --out is kept unless --force; bad input prints one `error: ...` line and exits with 1.
 """
 
-import json
 import os
 import sys
 
@@ -32,11 +31,10 @@ _FORCE = flags.DEFINE_boolean('force', False, 'Replace an existing --out.')
 
 
 def _vocab_size(target: str) -> int:
-  from dspec import checkpoint, loading
+  from dspec import checkpoint, hf_import, loading
   if loading.target_source(target) == 'checkpoint':
     return checkpoint.read_model_metadata(target, 'target')['config']['vocab_size']
-  with open(os.path.join(target, 'config.json')) as f:
-    return int(json.load(f)['vocab_size'])
+  return int(hf_import.read_hf_config(target)['vocab_size'])
 
 
 def main(argv):

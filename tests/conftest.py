@@ -17,6 +17,7 @@ from dspec.decoding.prompts import generated_ids, pad_prompts  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
   """Drops compiled programs between tests once the process holds many memory mappings
