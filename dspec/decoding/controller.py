@@ -30,14 +30,22 @@ construction: greedy output equals AR, token for token. Acceptance is also learn
 verifying less than the largest tier, or nothing: when the largest tier's proposal is
 cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
 chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified).
-For costly drafters the controller instead probes the smallest positive tier every
-`probe_every` steps at tier 0 (the interval doubles while probes do not pay).
+Costly drafters probe every `probe_every` steps at tier 0 (the interval doubles while
+probes do not pay): with one shadow proposal where its evidence is exact (greedy decoding,
+or a drafter proposing tokens rather than samples: a shadow match then has the probability
+a verification would accept), which costs one draft pass and measures every position; else
+(a sampling drafter at T > 0, where a sample matches the target's sample less often than
+rejection sampling accepts it) by verifying the smallest tier that could pay for a few
+steps. Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
+(1 + margin)/cost(B, 0), are never chosen or probed: when none can, the batch runs AR
+without proposing at all.
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
-the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR;
-up to `max_steps_per_decision` steps and `chunk_seconds` of profiled device time, which
-bounds the cost of a wrong choice) to amortise the host round trip (at tier 0 with shadow
-drafts only after `shadow_warmup` samples, so the first evidence comes quickly). Drafters
+the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
+with shadow drafts after `shadow_warmup` samples; up to `max_steps_per_decision` steps and
+`chunk_seconds` of profiled device time, which bounds the cost of a wrong choice) to
+amortise the host round trip. At tier 0 without per-chunk shadow drafts no evidence
+arrives before the next probe, so one chunk runs until it is due. Drafters
 are rebuilt per tier with `drafter.with_num_draft(γ)`; when the rebuilt drafter's state
 differs from the largest tier's (MTP caches one layer per depth) the largest tier's
 drafter is used with its proposal truncated to γ (`TruncatedDrafter`). A drafter with
@@ -79,6 +87,7 @@ class ControllerConfig:
   prior_weight: float = 2.0         # pseudo-steps pulling a row towards the pooled estimate
   probe_every: int = 32             # steps at tier 0 before probing a positive tier
   max_probe_every: int = 512
+  shadow_probes: bool = True        # probe by one shadow proposal where that is exact
   profile_steps: int = 8            # steps timed per tier at start-up
   profile_repeats: int = 3          # timed rounds over the tiers (after a compile round)
   shadow_budget: float = 0.1        # shadow-propose when it costs < this × a chunk
@@ -351,18 +360,23 @@ class VerifyLengthController:
       out[g] = 1.0 / max(steps * self.costs[batch, g], 1e-12)
     return out
 
-  def choose(self, scores: dict) -> int:
-    """The best tier; AR unless a tier beats it by `margin` (the estimates are noisy:
-    near-ties are not worth leaving the AR floor for)."""
-    best = max(scores, key=scores.get)
-    return best if scores[best] >= (1.0 + self.config.margin) * scores[0] else 0
+  def choose(self, scores: dict, payable) -> int:
+    """The best of the `payable` tiers; AR unless it beats AR by `margin` (the estimates
+    are noisy: near-ties are not worth leaving the AR floor for)."""
+    best = max(payable, key=scores.get, default=0)
+    return best if best and scores[best] >= (1.0 + self.config.margin) * scores[0] else 0
+
+  def payable(self, batch: int) -> list:
+    """Positive tiers that would beat AR by `margin` if every draft were accepted."""
+    floor = (1.0 + self.config.margin) / self.costs[batch, 0]
+    return [g for g in self.tiers if g and (g + 1) / self.costs[batch, g] >= floor]
 
   def generate(self, target_params, drafter_params, state):
     """Runs chunks of steps until every row is done, re-choosing the tier each time.
 
-    When the largest tier's proposal is cheap (`shadow_budget`), it is made before every
-    chunk and compared with the tokens the chunk commits: acceptance evidence at every
-    position even while running AR. Otherwise tier 0 probes the smallest positive tier.
+    Shadow proposals of the largest tier (compared with the tokens the chunk then commits)
+    come before every chunk when cheap (`shadow_budget`), else as tier 0's probe where
+    exact; otherwise tier 0 probes by verifying the smallest payable tier.
     """
     cfg = self.config
     b = state.tokens_BL.shape[0]
@@ -372,8 +386,11 @@ class VerifyLengthController:
     if set_verify_cost is not None:   # load-aware verify lengths (DSpark): λ(B) of the table
       state = state.replace(drafter_state=set_verify_cost(
           state.drafter_state, self.costs.verify_cost(b, self.tiers)))
-    shadow = self.costs.propose[b] <= cfg.shadow_budget * cfg.steps_per_decision * \
-        self.costs[b, 0]
+    payable = self.payable(b)
+    exact = self.engines[0].sampling.greedy or not self.drafter.samples_proposals
+    cheap = bool(payable) and exact and self.costs.propose[b] <= \
+        cfg.shadow_budget * cfg.steps_per_decision * self.costs[b, 0]
+    shadow_probe = exact and cfg.shadow_probes
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
     hist, done, num, prompt_len, max_new, steps_B = jax.device_get((
         state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
@@ -382,26 +399,35 @@ class VerifyLengthController:
     self.row0_tiers = []
     trace, prev, chunk = [], None, cfg.steps_per_decision
     idle, probe_every, shadowed = 0, cfg.probe_every, 0
-    positive = min(g for g in self.tiers if g > 0)
     self._realised = {}
     while not done.all():
       remaining = max_new - (num - prompt_len)
       tokens = self.predicted(estimate, b, ~done, remaining)
-      g = self.choose(self.scores(estimate, b, ~done, remaining))
-      if g == 0 and not shadow and idle >= probe_every:
-        g, idle, probe_every = positive, 0, min(2 * probe_every, cfg.max_probe_every)
+      g = self.choose(self.scores(estimate, b, ~done, remaining), payable)
+      probing = not g and bool(payable) and not cheap and idle >= probe_every
+      if probing:
+        idle, probe_every = 0, min(2 * probe_every, cfg.max_probe_every)
+        g = 0 if shadow_probe else payable[0]
       elif g:
         idle, probe_every = 0, cfg.probe_every
-      # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified);
-      # with shadow drafts the first tier-0 chunks stay short: each is one sample.
-      grow = g == prev and (g > 0 or not shadow or shadowed >= cfg.shadow_warmup)
-      cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / self.costs[b, g]))
-      chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) if grow \
-          else cfg.steps_per_decision
+      if g == 0 and not cheap:
+        # No evidence comes before the next probe (a shadow probe needs max_gamma + 1
+        # committed tokens to judge every position): one chunk until it is due.
+        chunk = (max(cfg.steps_per_decision, self.max_gamma + 1) if probing else
+                 probe_every - idle if payable else int(remaining.max()))
+      else:
+        # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified);
+        # with shadow drafts the first tier-0 chunks stay short: each is one sample.
+        grow = g == prev and not probing and (g > 0 or shadowed >= cfg.shadow_warmup)
+        cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / self.costs[b, g]))
+        chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) \
+            if grow else cfg.steps_per_decision
+      chunk = max(chunk, 1)
       idle += chunk if g == 0 else 0
       t0 = time.perf_counter()
       num_before, done_before = num, done
-      shadow_now, matched = shadow and g < self.max_gamma, None
+      shadow_now = (cheap and g < self.max_gamma) or (probing and g == 0)
+      matched = None
       if shadow_now:
         proposed = self._shadow(target_params, drafter_params, state)
       state = self.engines[g].run(target_params, drafter_params, state, chunk)

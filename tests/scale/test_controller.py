@@ -68,20 +68,42 @@ def _eagle3(target):
   return Eagle3Drafter.create(model, 3)
 
 
-@pytest.mark.parametrize('make', [_mtp, _eagle3], ids=['mtp', 'eagle3'])
-def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make):
+@pytest.mark.parametrize('make,shadow_probes', [(_mtp, False), (_eagle3, False),
+                                                (_mtp, True)],
+                         ids=['mtp', 'eagle3', 'mtp-shadow'])
+def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, shadow_probes):
   """MTP / EAGLE-3 at tier 0 only record the target's states; a probe first writes the
-  recorded positions into their caches (several steps at once). Greedy output equals AR."""
+  recorded positions into their caches (several steps at once), a verified one into the
+  state the next steps use, a shadow one only into the proposal it makes. Greedy output
+  equals AR."""
   drafter, params = make(tiny_model)
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
-                         probe_every=6)
+                         probe_every=6, shadow_probes=shadow_probes)
   controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
                                       cost_table=_costs(0.6, 1e9))
   assert type(controller.engines[0].drafter) is TruncatedDrafter
   outs, _ = _decode(controller, tiny_split[1], params)
   assert outs == ar[0]
   trace = [g for g, _, _ in controller.last_trace]
-  assert 0 in trace and any(g > 0 for g in trace[trace.index(0):]), trace
+  if not shadow_probes:
+    assert 0 in trace and any(g > 0 for g in trace[trace.index(0):]), trace
+
+
+def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):
+  """At T = 0 a costly drafter's probe is one unverified proposal of the largest tier,
+  judged against the tokens tier 0 then commits: the target's own greedy drafts are all
+  matched, so decoding leaves AR for the largest tier at once (a verified probe would
+  have gone through tier 1, the smallest payable tier)."""
+  cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2,
+                         probe_every=2)
+  controller = VerifyLengthController(tiny_split[0], SelfDrafter(num_draft=3), config=cfg,
+                                      cost_table=_costs(0.6, 1e9))
+  outs, _ = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  trace = [(g, n) for g, n, _ in controller.last_trace]
+  assert trace[0] == (0, 2 * len(PROMPTS)), trace          # runs until the probe is due
+  assert trace[1] == (0, 4 * len(PROMPTS)), trace          # the probe: γ + 1 tier-0 steps
+  assert trace[2][0] == 3 and 1 not in {g for g, _ in trace}, trace
 
 
 def test_makespan_objective_is_lossless_too(tiny_split, ar):
@@ -97,7 +119,9 @@ def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
                                       cost_table=_costs(10.0))
   outs, _ = _decode(controller, tiny_split[1], None)
   assert outs == ar[0]
-  assert controller.tier_usage().get(0, 0.0) > 0.8
+  # No tier could pay even if every draft were accepted: one AR chunk, nothing proposed.
+  assert [g for g, _, _ in controller.last_trace] == [0]
+  assert controller.payable(len(PROMPTS)) == []
 
 
 def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
