@@ -127,18 +127,28 @@ def record_window(buffer_BLD, values_BGD, start_B):
       values_BGD.astype(buffer_BLD.dtype), mode='drop')
 
 
-def sync_in_windows(state, ctx: DraftContext, width: int, trip):
+def sync_in_windows(state, ctx: DraftContext, width: int, trip, wide_width: int = 0):
   """Catches a cached drafter up: `trip(state, base_BW, committed_B)` writes the window of
-  `width` positions from each row's `state.cache.lengths_B` (`committed_B` of them are
-  committed), until every cache holds the n − 1 committed entries (no trip when current)."""
+  W positions from each row's `state.cache.lengths_B` (`committed_B` of them are
+  committed), until every cache holds the n − 1 committed entries (no trip when current).
+  W is `width` (γ+1: what one step commits); while some row is more than two such windows
+  behind (after a stretch at the controller's tier 0) trips take `wide_width` positions
+  at once, since the positions of one window run in parallel and trips one after another."""
   goal_B = jnp.maximum(ctx.num_tokens_B - 1, 0)
-  j = jnp.arange(width, dtype=jnp.int32)[None, :]
 
-  def body(st):
-    start_B = st.cache.lengths_B
-    return trip(st, start_B[:, None] + j, jnp.clip(goal_B - start_B, 0, width))
+  def trips(state, w: int, behind: int):
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]
 
-  return jax.lax.while_loop(lambda st: jnp.any(st.cache.lengths_B < goal_B), body, state)
+    def body(st):
+      start_B = st.cache.lengths_B
+      return trip(st, start_B[:, None] + j, jnp.clip(goal_B - start_B, 0, w))
+
+    return jax.lax.while_loop(lambda st: jnp.any(goal_B - st.cache.lengths_B > behind),
+                              body, state)
+
+  if wide_width > 2 * width:
+    state = trips(state, wide_width, 2 * width)
+  return trips(state, width, 0)
 
 
 class StatelessDrafter(DrafterBase):

@@ -1,5 +1,7 @@
 """The verify-length controller: lossless at every tier, and it picks what pays."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,20 +75,28 @@ def _eagle3(target):
                          ids=['mtp', 'eagle3', 'mtp-shadow'])
 def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, shadow_probes):
   """MTP / EAGLE-3 at tier 0 only record the target's states; a probe first writes the
-  recorded positions into their caches (several steps at once), a verified one into the
-  state the next steps use, a shadow one only into the proposal it makes. Greedy output
-  equals AR."""
+  recorded positions into their caches, a verified one into the state the next steps use,
+  a shadow one only into the proposal it makes. Greedy output equals AR, and catching up
+  12 positions per trip drafts exactly what catching up γ + 1 = 4 per trip does."""
   drafter, params = make(tiny_model)
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
-                         probe_every=6, shadow_probes=shadow_probes)
-  controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
-                                      cost_table=_costs(0.6, 1e9))
-  assert type(controller.engines[0].drafter) is TruncatedDrafter
-  outs, _ = _decode(controller, tiny_split[1], params)
-  assert outs == ar[0]
-  trace = [g for g, _, _ in controller.last_trace]
+                         probe_every=12, shadow_probes=shadow_probes)
+  runs = []
+  for width in ((0, 12) if not shadow_probes else (12,)):
+    controller = VerifyLengthController(
+        tiny_split[0], dataclasses.replace(drafter, catch_up_width=width), config=cfg,
+        cost_table=_costs(0.6, 1e9), trace=True)
+    assert type(controller.engines[0].drafter) is TruncatedDrafter
+    outs, state = _decode(controller, tiny_split[1], params)
+    assert outs == ar[0]
+    runs.append((controller.last_trace, np.asarray(state.trace.drafts_SG)))
+  trace = [g for g, _, _ in runs[-1][0]]
   if not shadow_probes:
     assert 0 in trace and any(g > 0 for g in trace[trace.index(0):]), trace
+    (narrow, drafts_narrow), (wide, drafts_wide) = runs   # row 0's drafts, every step
+    assert [t[:2] for t in narrow] == [t[:2] for t in wide]
+    assert drafts_wide.any()
+    np.testing.assert_array_equal(drafts_narrow, drafts_wide)
 
 
 def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):

@@ -61,6 +61,7 @@ class Eagle3Drafter(DrafterBase):
   target_cfg: TransformerConfig
   num_draft: int
   sample_proposals: bool = True
+  catch_up_width: int = 32    # positions per catch-up trip after tier-0 stretches
 
   def __post_init__(self):
     check_num_draft('eagle3', self.num_draft)
@@ -168,7 +169,7 @@ class Eagle3Drafter(DrafterBase):
       return self._catch_up(model, target, st, st.g_BLD[rows, base_BW], tokens_BW,
                             st.cache.lengths_B, committed_B)
 
-    return sync_in_windows(state, ctx, self.num_draft + 1, trip)
+    return sync_in_windows(state, ctx, self.num_draft + 1, trip, self.catch_up_width)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], draft-vocabulary logits [B, G, V'], q [B, G, V] or None)."""

@@ -82,6 +82,7 @@ class MTPDrafter(DrafterBase):
   target_cfg: TransformerConfig
   num_draft: int
   sample_proposals: bool = False
+  catch_up_width: int = 32    # positions per catch-up trip after tier-0 stretches
 
   @property
   def samples_proposals(self) -> bool:
@@ -218,7 +219,7 @@ class MTPDrafter(DrafterBase):
       return st.replace(cache=cache.with_lengths(st.cache.lengths_B + committed_B),
                         carry_GBD=carry)
 
-    return sync_in_windows(state, ctx, self.num_draft + 1, trip)
+    return sync_in_windows(state, ctx, self.num_draft + 1, trip, self.catch_up_width)
 
   def draft(self, params, state, target, ctx, key):
     """(draft tokens [B, G], depth logits at position n-2 over the draft vocabulary
