@@ -2,12 +2,12 @@
 
 Command:
   python scripts/decode.py --config=configs/demo.py
-  python scripts/decode.py --config=configs/demo.py --config.drafter=mtp
+  python scripts/decode.py --config=configs/demo.py:drafter=dflash2   # mtp, eagle3, dflash2, dspark, ngram
   python scripts/decode.py --config=configs/demo.py --config.prompt_set=gsm8k_test
 Expected: prints the completion, then a metrics line with tau, tokens/s for DFlash and AR
 (same process, after warm-up), the speedup, and lossless=True. Figures: docs/RESULTS.md.
-The chain that produced demo/ is in configs/demo_target.py, distill_demo.py,
-mtp_demo.py and dflash_demo.py.
+The chain that produced demo/ is in configs/demo_target.py, distill_demo.py and the
+<drafter>_demo.py configs (commands: docs/RESULTS.md §14).
 """
 
 from configs import common
@@ -18,9 +18,12 @@ def get_config(arg=None):
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'
-  cfg.drafter = args.drafter
-  cfg.drafters.dflash.path = 'demo/dflash'
-  cfg.drafters.mtp.path = 'demo/mtp'
+  for kind in ('mtp', 'eagle3', 'dflash', 'dspark'):
+    cfg.drafters[kind].path = f'demo/{kind}'
+  # DFlash-2 checkpoints load through the dflash drafter.
+  cfg.drafter = 'dflash' if args.drafter == 'dflash2' else args.drafter
+  if args.drafter == 'dflash2':
+    cfg.drafters.dflash.path = 'demo/dflash2'
   cfg.prompt_set = 'humaneval'
   cfg.prompt_index = args.index
   cfg.max_new_tokens = 128
