@@ -35,8 +35,8 @@ probes do not pay): with one shadow proposal where its evidence is exact (greedy
 or a drafter proposing tokens rather than samples: a shadow match then has the probability
 a verification would accept), which costs one draft pass and measures every position; else
 (a sampling drafter at T > 0, where a sample matches the target's sample less often than
-rejection sampling accepts it) by verifying the smallest tier that could pay for a few
-steps. Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
+rejection sampling accepts it) by verifying the smallest positive tier for a few steps
+(the cheapest verified evidence; deeper positions take position 1's estimate). Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
 (1 + margin)/cost(B, 0), are never chosen or probed: when none can, the batch runs AR
 without proposing at all.
 
@@ -376,7 +376,7 @@ class VerifyLengthController:
 
     Shadow proposals of the largest tier (compared with the tokens the chunk then commits)
     come before every chunk when cheap (`shadow_budget`), else as tier 0's probe where
-    exact; otherwise tier 0 probes by verifying the smallest payable tier.
+    exact; otherwise tier 0 probes by verifying the smallest positive tier.
     """
     cfg = self.config
     b = state.tokens_BL.shape[0]
@@ -391,6 +391,7 @@ class VerifyLengthController:
     cheap = bool(payable) and exact and self.costs.propose[b] <= \
         cfg.shadow_budget * cfg.steps_per_decision * self.costs[b, 0]
     shadow_probe = exact and cfg.shadow_probes
+    positive = min(g for g in self.tiers if g > 0)
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
     hist, done, num, prompt_len, max_new, steps_B = jax.device_get((
         state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
@@ -407,7 +408,7 @@ class VerifyLengthController:
       probing = not g and bool(payable) and not cheap and idle >= probe_every
       if probing:
         idle, probe_every = 0, min(2 * probe_every, cfg.max_probe_every)
-        g = 0 if shadow_probe else payable[0]
+        g = 0 if shadow_probe else positive
       elif g:
         idle, probe_every = 0, cfg.probe_every
       if g == 0 and not cheap:

@@ -103,7 +103,7 @@ def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):
   """At T = 0 a costly drafter's probe is one unverified proposal of the largest tier,
   judged against the tokens tier 0 then commits: the target's own greedy drafts are all
   matched, so decoding leaves AR for the largest tier at once (a verified probe would
-  have gone through tier 1, the smallest payable tier)."""
+  have gone through tier 1, the smallest positive tier)."""
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2,
                          probe_every=2)
   controller = VerifyLengthController(tiny_split[0], SelfDrafter(num_draft=3), config=cfg,
