@@ -36,7 +36,9 @@ or a drafter proposing tokens rather than samples: a shadow match then has the p
 a verification would accept), which costs one draft pass and measures every position; else
 (a sampling drafter at T > 0, where a sample matches the target's sample less often than
 rejection sampling accepts it) by verifying the smallest positive tier for a few steps
-(the cheapest verified evidence; deeper positions take position 1's estimate). Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
+(the cheapest verified evidence; deeper positions take position 1's estimate). The probe
+interval of a batch size carries over to the next generation, as a server's adaptive state
+does: a drafter that did not pay is probed rarely until a probe pays again. Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
 (1 + margin)/cost(B, 0), are never chosen or probed: when none can, the batch runs AR
 without proposing at all.
 
@@ -274,6 +276,7 @@ class VerifyLengthController:
     self.row0_tiers = []    # the tier of each of row 0's verify steps (last `generate`)
     self._checked = False
     self._realised = {}     # tier -> EMA of realised / predicted tokens (<= 1)
+    self._probe_every = {}  # batch size -> tier-0 probe interval, kept across generations
 
   def _set_engines(self, engines):
     """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
@@ -399,7 +402,7 @@ class VerifyLengthController:
     row0_steps = steps_B[0]
     self.row0_tiers = []
     trace, prev, chunk = [], None, cfg.steps_per_decision
-    idle, probe_every, shadowed = 0, cfg.probe_every, 0
+    idle, probe_every, shadowed = 0, self._probe_every.get(b, cfg.probe_every), 0
     self._realised = {}
     while not done.all():
       remaining = max_new - (num - prompt_len)
@@ -452,6 +455,7 @@ class VerifyLengthController:
         shadowed += 1
       hist, prev = new_hist, g
     self.last_trace = trace
+    self._probe_every[b] = probe_every
     return state
 
   def tier_steps(self) -> dict:
