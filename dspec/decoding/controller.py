@@ -40,7 +40,7 @@ rejection sampling accepts it) by verifying the smallest positive tier for a few
 interval of a batch size carries over to the next generation, as a server's adaptive state
 does: a drafter that did not pay is probed rarely until a probe pays again. Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
 (1 + margin)/cost(B, 0), are never chosen or probed: when none can, the batch runs AR
-without proposing at all.
+without proposing at all: plain AR steps with no target taps and no drafter update.
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
@@ -69,7 +69,7 @@ import numpy as np
 from flax import nnx
 
 from dspec import files
-from dspec.decoding.drafter import TruncatedDrafter
+from dspec.decoding.drafter import NoDrafter, TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.sampling import SamplingSpec
 
@@ -283,6 +283,9 @@ class VerifyLengthController:
     proposal of the largest tier."""
     self.engines = engines
     self._shadow = jax.jit(functools.partial(_shadow_fn, engines[self.max_gamma]))
+    # No tier can pay at this batch size: plain AR steps, no taps and no drafter update
+    # (nothing will be proposed for the rest of the generation).
+    self._plain_ar = engines[0].with_drafter(NoDrafter())
 
   @property
   def tiers(self) -> Tuple[int, ...]:
@@ -434,7 +437,8 @@ class VerifyLengthController:
       matched = None
       if shadow_now:
         proposed = self._shadow(target_params, drafter_params, state)
-      state = self.engines[g].run(target_params, drafter_params, state, chunk)
+      engine = self.engines[g] if payable else self._plain_ar
+      state = engine.run(target_params, drafter_params, state, chunk)
       if shadow_now:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
       new_hist, done, num, matched, steps_B = jax.device_get((

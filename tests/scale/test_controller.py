@@ -133,3 +133,77 @@ def test_probe_interval_carries_over_to_the_next_generation(tiny_model, tiny_spl
   first, second = traces
   assert first[0] == (0, 2) and second[0] == (0, 16), traces
   assert len(second) < len(first), traces
+
+
+def test_makespan_objective_is_lossless_too(tiny_split, ar):
+  cfg = ControllerConfig(tiers=TIERS, objective='makespan')
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg,
+                                      cost_table=_costs(0.05))
+  assert _decode(controller, tiny_split[1], None)[0] == ar[0]
+
+
+def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
+  controller = VerifyLengthController(tiny_split[0], NGRAM,
+                                      config=ControllerConfig(tiers=TIERS),
+                                      cost_table=_costs(10.0))
+  outs, _ = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  # No tier could pay even if every draft were accepted: one AR chunk, nothing proposed.
+  assert [g for g, _, _ in controller.last_trace] == [0]
+  assert controller.payable(len(PROMPTS)) == []
+
+
+def test_unpayable_batch_runs_plain_ar_with_a_stateful_drafter(tiny_model, tiny_split, ar):
+  """MTP (taps, cached depths) where no tier could pay: plain AR steps (no taps, no
+  drafter update), one chunk, greedy output equal to AR's."""
+  drafter, params = _mtp(tiny_model)
+  controller = VerifyLengthController(tiny_split[0], drafter,
+                                      config=ControllerConfig(tiers=TIERS),
+                                      cost_table=_costs(10.0, 1e9))
+  outs, _ = _decode(controller, tiny_split[1], params)
+  assert outs == ar[0]
+  assert [g for g, _, _ in controller.last_trace] == [0]
+  assert controller._plain_ar.drafter.taps == ()
+
+
+def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
+  cfg = ControllerConfig(tiers=(0, 1), profile_steps=2, profile_repeats=1)
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = controller.prefill(tiny_split[1], None, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  table = controller.profile(tiny_split[1], None, state)
+  assert table.has(len(PROMPTS), (0, 1)) and all(c > 0 for c in table.costs.values())
+  table.save(str(tmp_path / 'costs.json'))
+  loaded = CostTable.load(str(tmp_path / 'costs.json'))
+  assert loaded.costs == table.costs and loaded.propose == table.propose
+  (tmp_path / 'bad.json').write_text('{"seconds_per_step": 3}')
+  with pytest.raises(ValueError, match='bad step-cost table'):
+    CostTable.load(str(tmp_path / 'bad.json'))
+
+
+def test_acceptance_estimate_and_expected_tokens():
+  cfg = ControllerConfig(prior=0.5, prior_weight=1e-9, ema=0.0)
+  est = AcceptanceEstimate(batch=2, max_gamma=4, cfg=cfg)
+  # Row 0: 4 steps at γ=2 accepting 0, 1, 2, 2 drafts; row 1: nothing observed.
+  est.observe(np.array([[1, 1, 2, 0, 0], [0, 0, 0, 0, 0]]), gamma=2)
+  alpha = est.conditional()
+  np.testing.assert_allclose(alpha[0, :2], [3 / 4, 2 / 3], rtol=1e-6)
+  np.testing.assert_allclose(alpha[0, 2:], [2 / 3, 2 / 3], rtol=1e-6)   # extrapolated
+  np.testing.assert_allclose(alpha[1], alpha[0], rtol=1e-6)   # unseen row: pooled
+  assert expected_tokens(alpha, 0, np.array([True, False]), np.array([9, 9])) == 1.0
+  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([9, 9])) == \
+      pytest.approx(1 + 3 / 4 + 1 / 2)
+  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([1, 9])) == 1.0
+
+
+def test_tiers_resize_or_truncate():
+  assert tier_drafter(NgramDrafter(num_draft=8), 3).num_draft == 3
+  assert tier_drafter(NgramDrafter(num_draft=8), 0) == TruncatedDrafter(NgramDrafter(), 0)
+  with pytest.raises(ValueError, match='num_draft'):
+    NgramDrafter(num_draft=8).with_num_draft(0)
+  tier = TruncatedDrafter(SelfDrafter(num_draft=4), 0)
+  assert tier.num_draft == 0 and tier.taps == ()
+  with pytest.raises(ValueError, match='tiers'):
+    ControllerConfig(tiers=(3, 1))
+  with pytest.raises(ValueError, match='objective'):
+    ControllerConfig(objective='fast')
