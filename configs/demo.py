@@ -1,10 +1,10 @@
-"""The main job: the demo target with its trained DFlash drafter on a HumanEval prompt.
+"""The main job: the demo target with its best drafter (MTP; RESULTS §16-17) on a HumanEval prompt.
 
 Command:
   python scripts/decode.py --config=configs/demo.py
-  python scripts/decode.py --config=configs/demo.py:drafter=dflash2   # mtp, eagle3, dflash2, dspark, ngram
+  python scripts/decode.py --config=configs/demo.py:drafter=dflash2   # eagle3, dflash, dflash2, dspark, ngram
   python scripts/decode.py --config=configs/demo.py --config.prompt_set=gsm8k_test
-Expected: prints the completion, then a metrics line with tau, tokens/s for DFlash and AR
+Expected: prints the completion, then a metrics line with tau, tokens/s for the drafter and AR
 (same process, after warm-up), the speedup, and lossless=True. Figures: docs/RESULTS.md.
 The chain that produced demo/ is in configs/demo_target.py, distill_demo.py and the
 <drafter>_demo.py configs (commands: docs/RESULTS.md §14).
@@ -14,7 +14,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, drafter='dflash', index=0)
+  args = common.parse_arg(arg, drafter='mtp', index=0)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'

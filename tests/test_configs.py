@@ -16,7 +16,7 @@ CONFIG_ARGS = {
     'demo_target': [None, 'quick', 'steps=10,minutes=1.5'],
     'distill_demo': [None, 'tiny', 'sampled'],
     'mtp_demo': [None, 'tiny', 'joint', 'tiny,joint,depths=2,beta=0.5'],
-    'demo': [None, 'drafter=mtp,index=3', 'drafter=dflash2'],
+    'demo': [None, 'drafter=dflash,index=3', 'drafter=dflash2'],
 }
 DECODE_FIELDS = ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed', 'batch_size',
                  'drafter', 'compare_ar', 'mesh')
