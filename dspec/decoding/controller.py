@@ -38,9 +38,10 @@ a verification would accept), which costs one draft pass and measures every posi
 rejection sampling accepts it) by verifying the smallest positive tier for a few steps
 (the cheapest verified evidence; deeper positions take position 1's estimate). The probe
 interval of a batch size carries over to the next generation, as a server's adaptive state
-does: a drafter that did not pay is probed rarely until a probe pays again. Tiers that could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) <
-(1 + margin)/cost(B, 0), are never chosen or probed: when none can, the batch runs AR
-without proposing at all: plain AR steps with no target taps and no drafter update.
+does: a drafter that did not pay is probed rarely until a probe pays again. Tiers that
+could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) /
+cost(B, 0), are never chosen or probed; when none can, the batch runs plain AR steps (no
+proposals, no target taps, no drafter update).
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
