@@ -2,7 +2,7 @@
 
 Command:
   python scripts/decode.py --config=configs/demo.py
-  python scripts/decode.py --config=configs/demo.py:drafter=dflash2  # or eagle3, dflash, dspark, ngram
+  python scripts/decode.py --config=configs/demo.py:drafter=dflash2   # or eagle3, dspark, ...
   python scripts/decode.py --config=configs/demo.py --config.prompt_set=gsm8k_test
 Expected: prints the completion, then a metrics line with tau, tokens/s for the drafter and AR
 (same process, after warm-up), the speedup, and lossless=True. Figures: docs/RESULTS.md.
