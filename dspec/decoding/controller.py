@@ -418,11 +418,10 @@ class VerifyLengthController:
         g = 0 if shadow_probe else positive
       elif g:
         idle, probe_every = 0, cfg.probe_every
-      if g == 0 and not cheap:
-        # No evidence comes before the next probe (a shadow probe needs max_gamma + 1
-        # committed tokens to judge every position): one chunk until it is due.
-        chunk = (max(cfg.steps_per_decision, self.max_gamma + 1) if probing else
-                 probe_every - idle if payable else int(remaining.max()))
+      if probing and g == 0:   # a shadow probe judges every position: max_gamma + 1 tokens
+        chunk = max(cfg.steps_per_decision, self.max_gamma + 1)
+      elif g == 0 and not cheap:   # no evidence before the next probe: run until it is due
+        chunk = probe_every - idle if payable else int(remaining.max())
       else:
         # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified);
         # with shadow drafts the first tier-0 chunks stay short: each is one sample.
@@ -430,7 +429,6 @@ class VerifyLengthController:
         cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / self.costs[b, g]))
         chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) \
             if grow else cfg.steps_per_decision
-      chunk = max(chunk, 1)
       idle += chunk if g == 0 else 0
       t0 = time.perf_counter()
       num_before, done_before = num, done
