@@ -23,9 +23,10 @@ estimates that lag behind a row leaving a repetitive stretch. `objective='makesp
 a tier instead by the time until the last live row would finish (static batches, where
 rows done early idle in the shape); the default maximises throughput as above.
 
-Tier 0 is plain AR: the drafter proposes nothing and `idle_update`s its state (MTP only
-records the target's hidden states and catches its depths up when a positive tier next
-proposes). Every tier runs the same verified speculative step, so the output is lossless by
+Tier 0 is plain AR: the drafter proposes nothing and `idle_update`s its state (MTP,
+EAGLE-3 and the DFlash family only record the target's features, and catch their caches up
+when a positive tier or a shadow proposal next needs them; a shadow proposal's caught-up
+state is kept). Every tier runs the same verified speculative step, so the output is lossless by
 construction: greedy output equals AR, token for token. Acceptance is also learnt while
 verifying less than the largest tier, or nothing: when the largest tier's proposal is
 cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
@@ -231,12 +232,13 @@ def row_tokens(alpha_BG: np.ndarray, gamma: int) -> np.ndarray:
 # ------------------------------------------------------------------------ controller
 
 def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
-  """What the largest tier would propose now: (tokens [B, G], count [B], start [B])."""
+  """What the largest tier would propose now, ((tokens [B, G], count [B], start [B]),
+  the drafter state synced for it: the next steps record from there)."""
   target = nnx.merge(engine.target_graphdef, target_params)
   ctx = engine.context(state)
   dstate = engine.drafter.sync(drafter_params, state.drafter_state, target, ctx)
   p = engine.drafter.propose(drafter_params, dstate, target, ctx, jax.random.key(0))
-  return p.tokens_BG, p.num_proposed_B, state.num_tokens_B
+  return (p.tokens_BG, p.num_proposed_B, state.num_tokens_B), dstate
 
 
 @jax.jit
@@ -435,7 +437,8 @@ class VerifyLengthController:
       shadow_now = (cheap and g < self.max_gamma) or (probing and g == 0)
       matched = None
       if shadow_now:
-        proposed = self._shadow(target_params, drafter_params, state)
+        proposed, synced = self._shadow(target_params, drafter_params, state)
+        state = state.replace(drafter_state=synced)
       engine = self.engines[g] if payable else self._plain_ar
       state = engine.run(target_params, drafter_params, state, chunk)
       if shadow_now:

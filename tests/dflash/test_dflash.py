@@ -25,6 +25,7 @@ from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.drafters import registry
 from dspec.decoding.drafters import dflash as dflash_drafters
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import pad_prompts
 from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashModel,
@@ -208,25 +209,56 @@ def test_trained_on_a_toy_sequence_drafts_it(toy, ragged_run):
   assert accepted >= 0.95 * proposed, (accepted, proposed)
 
 
-def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
-  drafter, target = toy['drafter'], toy['target']
-  state = ragged_run[2]
-  assert int(state.stats.accepted_B[0]) >= 4   # multi-token commits went through update
+def _cached_and_fresh(drafter, target, dparams, tokens_BL, num_tokens_B, cache):
+  """The block hidden of `drafter` drafting from `cache`, and from the cache `init` makes
+  out of one causal target pass over the whole buffer (it keeps positions < n − 1)."""
 
   @jax.jit
-  def cached_and_fresh(dparams, tokens_BL, num_tokens_B, cache):
+  def run(dparams, tokens_BL, num_tokens_B, cache):
     model = nnx.merge(drafter.graphdef, dparams)
-    ctx = DraftContext(tokens_BL, num_tokens_B, remaining_B=jnp.full((2,), 99, jnp.int32))
-    masks_BG = jnp.full((2, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
+    b = tokens_BL.shape[0]
+    ctx = DraftContext(tokens_BL, num_tokens_B, remaining_B=jnp.full((b,), 99, jnp.int32))
+    masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
     cached = drafter.block_hidden(model, cache, target, ctx, masks_BG)
-    # Fresh: one causal target pass over the whole buffer; init keeps positions < n - 1.
     out = target(tokens_BL, taps=drafter.taps, compute_logits=False)
-    fresh_cache = drafter.init(dparams, target, ctx, out)
+    fresh_cache = drafter.init(dparams, target, ctx, out).cache
     return cached, drafter.block_hidden(model, fresh_cache, target, ctx, masks_BG)
 
-  cached, fresh = cached_and_fresh(toy['dparams'], state.tokens_BL, state.num_tokens_B,
-                                   state.drafter_state)
+  return run(dparams, tokens_BL, num_tokens_B, cache)
+
+
+def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
+  state = ragged_run[2]
+  assert int(state.stats.accepted_B[0]) >= 4   # multi-token commits went through update
+  cached, fresh = _cached_and_fresh(toy['drafter'], toy['target'], toy['dparams'],
+                                    state.tokens_BL, state.num_tokens_B,
+                                    state.drafter_state.cache)
   np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_tier0_steps_record_and_sync_catches_up(toy):
+  """At the controller's tier 0 DFlash only records fused features (its cache stays at
+  the prompt); `sync` then appends them, in γ + 1 windows or a wide trip first, and the
+  cache drafts what a fresh forward over the committed tokens gives."""
+  steps = 11     # behind by 11 > 2 (γ + 1) = 8: one 10-wide trip, then one of γ + 1
+  prompt_BP, lens_B = pad_prompts([PROMPT, OTHER])
+  for width in (0, 10):
+    drafter = dataclasses.replace(toy['drafter'], catch_up_width=width)
+    engine = SpeculativeEngine(toy['graphdef'], drafter=TruncatedDrafter(drafter, 0))
+    state = engine.prefill(toy['params'], toy['dparams'], prompt_BP, lens_B,
+                           max_new_tokens=NEW_TOKENS)
+    prefilled_B = np.asarray(state.drafter_state.cache.lengths_B)   # run donates state
+    state = engine.run(toy['params'], toy['dparams'], state, steps)
+    dstate = state.drafter_state
+    np.testing.assert_array_equal(dstate.cache.lengths_B, prefilled_B)
+    sync = jax.jit(lambda dp, ds, tokens_BL, num_B: drafter.sync(
+        dp, ds, toy['target'], DraftContext(tokens_BL, num_B)))
+    synced = sync(toy['dparams'], dstate, state.tokens_BL, state.num_tokens_B)
+    np.testing.assert_array_equal(synced.cache.lengths_B, prefilled_B + steps)
+    np.testing.assert_array_equal(synced.cache.lengths_B, state.num_tokens_B - 1)
+    cached, fresh = _cached_and_fresh(drafter, toy['target'], toy['dparams'],
+                                      state.tokens_BL, state.num_tokens_B, synced.cache)
+    np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
 
 
 def test_controller_tiers_score_only_their_prefix(toy, ragged_run):

@@ -12,11 +12,15 @@ from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
                                        VerifyLengthController, expected_tokens, tier_drafter)
 from dspec.decoding.drafter import TruncatedDrafter
+from dspec.decoding.drafters.dflash import DFlashDrafter
+from dspec.decoding.drafters.dspark import DSparkDrafter
 from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.models.dflash import DFlashConfig, DFlashModel
+from dspec.models.dspark import DSparkConfig, DSparkModel
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model
 from dspec.models.mtp import MTP, MTPConfig
 
@@ -70,22 +74,51 @@ def _eagle3(target):
   return Eagle3Drafter.create(model, 3)
 
 
+def _dflash(target):
+  cfg = DFlashConfig.create(TINY.num_layers, num_layers=1, block_size=4, mask_token_id=63,
+                            target_layer_ids=(0, 1))
+  return DFlashDrafter.create(DFlashModel(cfg, TINY, rngs=nnx.Rngs(1)))
+
+
+def _dspark(target):
+  cfg = DSparkConfig.create(TINY.num_layers, num_layers=1, block_size=3, mask_token_id=63,
+                            target_layer_ids=(0, 1), markov_rank=4)
+  return DSparkDrafter.create(DSparkModel(cfg, TINY, rngs=nnx.Rngs(1)), verify_cost=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eager:
+  """`inner` doing its whole `update` at tier 0 too (nothing recorded, nothing to sync)."""
+
+  inner: object
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def idle_update(self, *args):
+    return self.inner.update(*args)
+
+
 @pytest.mark.parametrize('make,shadow_probes', [(_mtp, False), (_eagle3, False),
+                                                (_dflash, False), (_dspark, False),
                                                 (_mtp, True)],
-                         ids=['mtp', 'eagle3', 'mtp-shadow'])
+                         ids=['mtp', 'eagle3', 'dflash', 'dspark', 'mtp-shadow'])
 def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, shadow_probes):
-  """MTP / EAGLE-3 at tier 0 only record the target's states; a probe first writes the
-  recorded positions into their caches, a verified one into the state the next steps use,
-  a shadow one only into the proposal it makes. Greedy output equals AR, and catching up
-  12 positions per trip drafts exactly what catching up γ + 1 = 4 per trip does."""
+  """MTP / EAGLE-3 / DFlash / DSpark at tier 0 only record the target's features; a probe
+  first writes the recorded positions into their caches, in the state the next steps
+  use. Greedy output equals
+  AR, and catching up 12 positions per trip or γ + 1 = 4 per trip drafts exactly what
+  updating the caches at every tier-0 step does."""
   drafter, params = make(tiny_model)
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
                          probe_every=12, shadow_probes=shadow_probes)
   runs = []
-  for width in ((0, 12) if not shadow_probes else (12,)):
-    controller = VerifyLengthController(
-        tiny_split[0], dataclasses.replace(drafter, catch_up_width=width), config=cfg,
-        cost_table=_costs(0.6, 1e9), trace=True)
+  variants = ((_Eager(drafter), dataclasses.replace(drafter, catch_up_width=0),
+               dataclasses.replace(drafter, catch_up_width=12)) if not shadow_probes
+              else (drafter,))
+  for variant in variants:
+    controller = VerifyLengthController(tiny_split[0], variant, config=cfg,
+                                        cost_table=_costs(0.6, 1e9), trace=True)
     assert type(controller.engines[0].drafter) is TruncatedDrafter
     outs, state = _decode(controller, tiny_split[1], params)
     assert outs == ar[0]
@@ -93,10 +126,11 @@ def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, sha
   trace = [g for g, _, _ in runs[-1][0]]
   if not shadow_probes:
     assert 0 in trace and any(g > 0 for g in trace[trace.index(0):]), trace
-    (narrow, drafts_narrow), (wide, drafts_wide) = runs   # row 0's drafts, every step
-    assert [t[:2] for t in narrow] == [t[:2] for t in wide]
-    assert drafts_wide.any()
-    np.testing.assert_array_equal(drafts_narrow, drafts_wide)
+    (eager, drafts_eager), *deferred = runs   # row 0's drafts, every step
+    assert drafts_eager.any()
+    for later, drafts in deferred:
+      assert [t[:2] for t in later] == [t[:2] for t in eager]
+      np.testing.assert_array_equal(drafts, drafts_eager)
 
 
 def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):

@@ -1,8 +1,9 @@
 """DFlash and DFlash-2 drafting (`reference/dflash.md` §2, §5, §7): one pass over the block.
 
-State: per-layer context K/V of the draft (post k-norm, post RoPE) for every committed
-position before the anchor, plus lengths (a `KVCache`). Only context K/V are cached; block
-K/V are recomputed every round, so rollback is rewinding lengths.
+State (`DFlashState`): per-layer context K/V of the draft (post k-norm, post RoPE) for
+every committed position before the anchor, plus lengths (a `KVCache`), and the fused target
+features of positions the cache has not taken in yet (`fused_BLD`). Only context K/V are
+cached; block K/V are recomputed every round, so rollback is rewinding lengths.
 
   init     projects the prompt features at positions 0..P−1 (all committed before the
            anchor, the prefill's token).
@@ -15,6 +16,10 @@ K/V are recomputed every round, so rollback is rewinding lengths.
   update   appends the context K/V of the verify positions start..start+γ (the committed
            ones become visible by the new length num_tokens − 1; the rest are masked and
            overwritten next round).
+  idle     at the controller's AR tier the update only records the fused features of the
+           verify position; `sync`, before the next proposal, appends the recorded
+           positions' K/V in windows of γ+1 (32 at once while far behind), so a stretch of
+           AR steps runs no drafter layer until drafting resumes.
 
 `denoise_steps > 1` (DFlash only) is iterative unmasking within the block: each step runs
 the block, fills the most confident still-masked slots with their argmax (an equal share
@@ -27,20 +32,31 @@ Checkpoints: a dspec checkpoint (kind dflash / dflash2) or a z-lab / speculators
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, ClassVar, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
-                                    checkpoint_path)
+                                    checkpoint_path, record_window, sync_in_windows)
 from dspec.decoding.state import Proposal
 from dspec.models import dflash as dflash_model
 from dspec.models import dflash2
 from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig
 from dspec.models.kv_cache import KVCache
+
+
+@struct.dataclass
+class DFlashState:
+  """cache: context K/V of the committed positions before the anchor (lengths n − 1 once
+  synced); fused_BLD: fused target features recorded at tier 0 for a later `sync`."""
+
+  cache: KVCache
+  fused_BLD: jnp.ndarray
+
+  LOGICAL_AXES: ClassVar[dict] = {'fused_BLD': ('batch', None, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +73,7 @@ class DFlashDrafter(DrafterBase):
   target_cfg: TransformerConfig
   num_draft: int
   denoise_steps: int = 1
+  catch_up_width: int = 32    # positions per catch-up trip after tier-0 stretches
 
   def __post_init__(self):
     check_num_draft('dflash', self.num_draft, 1, self.config.block_size - 1)
@@ -106,11 +123,14 @@ class DFlashDrafter(DrafterBase):
     cache = KVCache.for_model(model.layer_cfg, model.layer_cfg.num_layers, b, capacity)
     t = prefill_out.taps_BTND.shape[1]
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    cache = _append_context(model, cache, target, prefill_out.taps_BTND, positions_BT)
-    return cache.with_lengths(ctx.num_tokens_B - 1)
+    fused_BTD = model.fuse(prefill_out.taps_BTND, target)
+    cache = _append_context(model, cache, fused_BTD, positions_BT)
+    fused_BLD = jnp.zeros((b, capacity, fused_BTD.shape[-1]), fused_BTD.dtype)
+    return DFlashState(cache.with_lengths(ctx.num_tokens_B - 1), fused_BLD)
 
-  def propose(self, params, cache, target, ctx, key):
+  def propose(self, params, state, target, ctx, key):
     model = nnx.merge(self.graphdef, params)
+    cache = state.cache
     b = ctx.tokens_BL.shape[0]
     g = self.num_draft
     drafts_BG = jnp.full((b, g), self.config.mask_token_id, jnp.int32)
@@ -125,7 +145,7 @@ class DFlashDrafter(DrafterBase):
                                      walk.q_BGK).q_over_vocab(self.target_cfg.vocab_size)
       return Proposal(model.token_ids(walk.tokens_BG), jnp.full((b,), g, jnp.int32), q_BGV)
     if self.denoise_steps == 1:
-      return self.propose_prefix(params, cache, target, ctx, key, g)
+      return self.propose_prefix(params, state, target, ctx, key, g)
     masked_BG = jnp.ones((b, g), bool)
     steps = min(self.denoise_steps, g)
     for s in range(steps):
@@ -144,25 +164,45 @@ class DFlashDrafter(DrafterBase):
       masked_BG = masked_BG & ~fill_BG
     return Proposal(drafts_BG, jnp.full((b,), g, jnp.int32))
 
-  def propose_prefix(self, params, cache, target, ctx, key, num_draft: int) -> Proposal:
+  def propose_prefix(self, params, state, target, ctx, key, num_draft: int) -> Proposal:
     """Single-pass DFlash scores only the first `num_draft` slots of the (whole) block:
     the same tokens as slicing `propose`, without the head over the rest."""
     if self.is_dflash2 or self.denoise_steps > 1:
-      return super().propose_prefix(params, cache, target, ctx, key, num_draft)
+      return super().propose_prefix(params, state, target, ctx, key, num_draft)
     model = nnx.merge(self.graphdef, params)
     b = ctx.tokens_BL.shape[0]
     masks_BG = jnp.full((b, self.num_draft), self.config.mask_token_id, jnp.int32)
-    hidden_BGD = self.block_hidden(model, cache, target, ctx, masks_BG)[:, :num_draft]
+    hidden_BGD = self.block_hidden(model, state.cache, target, ctx, masks_BG)[:, :num_draft]
     drafts_BG = model.token_ids(jnp.argmax(model.draft_logits(target, hidden_BGD), axis=-1))
     return Proposal(drafts_BG, jnp.full((b,), num_draft, jnp.int32))
 
-  def update(self, params, cache, target, ctx, verify_out, start_B, num_accepted_B):
+  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
     del num_accepted_B
     model = nnx.merge(self.graphdef, params)
     t = verify_out.taps_BTND.shape[1]
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    cache = _append_context(model, cache, target, verify_out.taps_BTND, positions_BT)
-    return cache.with_lengths(ctx.num_tokens_B - 1)
+    cache = _append_context(model, state.cache, model.fuse(verify_out.taps_BTND, target),
+                            positions_BT)
+    return state.replace(cache=cache.with_lengths(ctx.num_tokens_B - 1))
+
+  def idle_update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
+    """Records the fused features of the verify window for a later `sync`."""
+    del ctx, num_accepted_B
+    fused_BTD = nnx.merge(self.graphdef, params).fuse(verify_out.taps_BTND, target)
+    return state.replace(fused_BLD=record_window(state.fused_BLD, fused_BTD, start_B))
+
+  def sync(self, params, state, target, ctx):
+    """Appends the recorded positions' K/V until the cache holds the n − 1 committed ones."""
+    model = nnx.merge(self.graphdef, params)
+    length = ctx.tokens_BL.shape[1]
+    rows = jnp.arange(ctx.tokens_BL.shape[0])[:, None]
+
+    def trip(st, base_BW, committed_B):
+      fused_BWD = st.fused_BLD[rows, jnp.minimum(base_BW, length - 1)]
+      cache = _append_context(model, st.cache, fused_BWD, base_BW)
+      return st.replace(cache=cache.with_lengths(st.cache.lengths_B + committed_B))
+
+    return sync_in_windows(state, ctx, self.num_draft + 1, trip, self.catch_up_width)
 
   # ------------------------------------------------------------------------- helpers
 
@@ -183,10 +223,10 @@ class DFlashDrafter(DrafterBase):
     return hidden_BTD[:, 1:]
 
 
-def _append_context(model: dflash_model.DFlashModel, cache: KVCache, target, taps_BTND,
+def _append_context(model: dflash_model.DFlashModel, cache: KVCache, fused_BTD,
                     positions_BT):
-  """Writes the context K/V of new features at their absolute positions (all layers)."""
-  k_LBTKD, v_LBTKD = model.context_kv(model.fuse(taps_BTND, target), positions_BT)
+  """Writes the context K/V of fused features at their absolute positions (all layers)."""
+  k_LBTKD, v_LBTKD = model.context_kv(fused_BTD, positions_BT)
   for i in range(k_LBTKD.shape[0]):
     cache = cache.write(i, k_LBTKD[i], v_LBTKD[i], positions_BT)
   return cache

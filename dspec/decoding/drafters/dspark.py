@@ -2,8 +2,9 @@
 block, anchor-first, with the Markov head walked slot by slot, and a confidence-scheduled
 verify length per row.
 
-State (`DSparkState`): DFlash's context K/V of every committed position before the anchor
-(`init` / `update` are `drafters/dflash.py`'s) and the verify cost λ as a traced scalar.
+State (`DSparkState`): DFlash's (context K/V of every committed position before the anchor
+and the features recorded at tier 0; `init` / `update` / `idle_update` / `sync` are
+`drafters/dflash.py`'s) and the verify cost λ as a traced scalar.
 
 propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = num_draft; slot k
          drafts the token at anchor+k+1). Near the end of the budget only the first
@@ -46,20 +47,18 @@ from flax import nnx, struct
 
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
                                     checkpoint_path)
-from dspec.decoding.drafters.dflash import DFlashDrafter
+from dspec.decoding.drafters.dflash import DFlashDrafter, DFlashState
 from dspec.decoding.state import Proposal
 from dspec.models import dspark as dspark_model
-from dspec.models.kv_cache import KVCache
 
 
 @struct.dataclass
-class DSparkState:
-  """cache: DFlash's context K/V; verify_cost: λ of the verify-length rule (f32 scalar)."""
+class DSparkState(DFlashState):
+  """DFlash's state; verify_cost: λ of the verify-length rule (f32 scalar)."""
 
-  cache: KVCache
   verify_cost: jnp.ndarray
 
-  LOGICAL_AXES: ClassVar[dict] = {'verify_cost': ()}
+  LOGICAL_AXES: ClassVar[dict] = {**DFlashState.LOGICAL_AXES, 'verify_cost': ()}
 
 
 def verify_lengths(survival_BG, limit_B, verify_cost, verify_budget: int = 0):
@@ -126,12 +125,9 @@ class DSparkDrafter(DFlashDrafter):
                        f'{target_cfg.num_layers} layers')
 
   def init(self, params, target, ctx, prefill_out):
-    return DSparkState(super().init(params, target, ctx, prefill_out),
+    state = super().init(params, target, ctx, prefill_out)
+    return DSparkState(state.cache, state.fused_BLD,
                        jnp.asarray(self.verify_cost, jnp.float32))
-
-  def update(self, params, state, target, ctx, verify_out, start_B, num_accepted_B):
-    return state.replace(cache=super().update(params, state.cache, target, ctx, verify_out,
-                                              start_B, num_accepted_B))
 
   def set_verify_cost(self, state: DSparkState, verify_cost: float) -> DSparkState:
     """`state` with λ = `verify_cost` (the load-aware controller's λ(B))."""
