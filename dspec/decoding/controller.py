@@ -31,7 +31,8 @@ construction: greedy output equals AR, token for token. Acceptance is also learn
 verifying less than the largest tier, or nothing: when the largest tier's proposal is
 cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
 chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified).
-Costly drafters probe every `probe_every` steps at tier 0 (the interval doubles while
+Before any evidence, where shadow evidence is available, the first chunk runs tier 0 with
+one rather than verifying a tier on the prior. Costly drafters probe every `probe_every` steps at tier 0 (the interval doubles while
 probes do not pay): with one shadow proposal where its evidence is exact (greedy decoding,
 or a drafter proposing tokens rather than samples: a shadow match then has the probability
 a verification would accept), which costs one draft pass and measures every position; else
@@ -414,8 +415,13 @@ class VerifyLengthController:
       remaining = max_new - (num - prompt_len)
       tokens = self.predicted(estimate, b, ~done, remaining)
       g = self.choose(self.scores(estimate, b, ~done, remaining), payable)
-      probing = not g and bool(payable) and not cheap and idle >= probe_every
-      if probing:
+      # Before any evidence, learn from a shadow proposal rather than verify on the prior.
+      first_look = not trace and g and (cheap or shadow_probe)
+      probing = (first_look and not cheap) or (
+          not g and bool(payable) and not cheap and idle >= probe_every)
+      if first_look:
+        g = 0
+      elif probing:
         idle, probe_every = 0, min(2 * probe_every, cfg.max_probe_every)
         g = 0 if shadow_probe else positive
       elif g:

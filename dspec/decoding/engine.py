@@ -70,8 +70,11 @@ class SpeculativeEngine:
     return dataclasses.replace(self, drafter=drafter)
 
   def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
-    """Cache/token-buffer length a generation needs (verify writes γ past the anchor)."""
-    return prompt_len + max_new_tokens + self.num_draft + 1
+    """Cache/token-buffer length of a generation: every committed token. A verify near
+    the budget reaches past it, but drafts are clipped to the remaining budget, so the
+    positions past it are never read for a commit, and their writes are dropped (the
+    buffer does not grow with γ: attention over it is most of a large batch's step)."""
+    return prompt_len + max_new_tokens
 
   # ----------------------------------------------------------------- pure functions
 

@@ -150,6 +150,23 @@ def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):
   assert trace[2][0] == 3 and 1 not in {g for g, _ in trace}, trace
 
 
+def test_first_decision_looks_before_verifying(tiny_split, ar):
+  """With verification this cheap the prior (α = 0.5) would verify a positive tier at
+  once; without evidence the controller first runs tier 0 with a shadow proposal: one
+  probe of γ + 1 steps for a costly drafter (then straight to the largest tier, whose
+  drafts all match), one short chunk for a cheap one."""
+  cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2)
+  for drafter, propose, first in ((SelfDrafter(num_draft=3), 1e9, 4), (NGRAM, 0.0, 1)):
+    controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
+                                        cost_table=_costs(0.05, propose))
+    assert controller.choose({0: 1.0, 1: 2.0, 3: 2.0}, controller.payable(len(PROMPTS)))
+    outs, _ = _decode(controller, tiny_split[1], None)
+    assert outs == ar[0]
+    trace = [(g, n // len(PROMPTS)) for g, n, _ in controller.last_trace]
+    assert trace[0] == (0, first), trace
+    assert any(g > 0 for g, _ in trace[1:]), trace
+
+
 def test_probe_interval_carries_over_to_the_next_generation(tiny_model, tiny_split, ar):
   """A drafter whose probes do not pay (random MTP weights) is probed at doubling
   intervals (2, 4, 8, 16 steps); the next generation starts from the last interval, so its
