@@ -14,7 +14,8 @@ every drafter:
 commit: verify position j (0..γ) sits at absolute position start_B + j and the first
 num_accepted_B + 1 of them are now committed. At the verify-length controller's tier 0
 (plain AR) the engine calls `idle_update` instead: a drafter whose update is costly (MTP's
-catch-up through every depth) may only record what it needs and leave the work to `sync`,
+catch-up through every depth, DFlash's context K/V) may only record what it needs
+(`record_window`) and leave the work to `sync` (`sync_in_windows`),
 which the engine calls before every proposal (a no-op when the state is current). The
 defaults are `update` and the identity.
 
