@@ -26,24 +26,25 @@ rows done early idle in the shape); the default maximises throughput as above.
 Tier 0 is plain AR: the drafter proposes nothing and `idle_update`s its state (MTP,
 EAGLE-3 and the DFlash family only record the target's features, and catch their caches up
 when a positive tier or a shadow proposal next needs them; a shadow proposal's caught-up
-state is kept). Every tier runs the same verified speculative step, so the output is lossless by
-construction: greedy output equals AR, token for token. Acceptance is also learnt while
-verifying less than the largest tier, or nothing: when the largest tier's proposal is
-cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made before each
-chunk and compared with the tokens the chunk commits ("shadow" drafts, never verified).
-Before any evidence, where shadow evidence is available, the first chunk runs tier 0 with
-one rather than verifying a tier on the prior. Costly drafters probe every `probe_every` steps at tier 0 (the interval doubles while
-probes do not pay): with one shadow proposal where its evidence is exact (greedy decoding,
-or a drafter proposing tokens rather than samples: a shadow match then has the probability
-a verification would accept), which costs one draft pass and measures every position; else
-(a sampling drafter at T > 0, where a sample matches the target's sample less often than
-rejection sampling accepts it) by verifying the smallest positive tier for a few steps
-(the cheapest verified evidence; deeper positions take position 1's estimate). The probe
-interval of a batch size carries over to the next generation, as a server's adaptive state
-does: a drafter that did not pay is probed rarely until a probe pays again. Tiers that
-could not beat AR even if every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) /
-cost(B, 0), are never chosen or probed; when none can, the batch runs plain AR steps (no
-proposals, no target taps, no drafter update).
+state is kept). Every tier runs the same verified speculative step, so the output is
+lossless by construction: greedy output equals AR, token for token. Acceptance is also
+learnt while verifying less than the largest tier, or nothing: when the largest tier's
+proposal is cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made
+before each chunk and compared with the tokens the chunk commits ("shadow" drafts, never
+verified). Before any evidence, where shadow evidence is available, the first chunk runs
+tier 0 with one rather than verifying a tier on the prior. Costly drafters probe every
+`probe_every` steps at tier 0 (the interval doubles while probes do not pay): with one
+shadow proposal where its evidence is exact (greedy decoding, or a drafter proposing
+tokens rather than samples: a shadow match then has the probability a verification would
+accept), which costs one draft pass and measures every position; else (a sampling drafter
+at T > 0, where a sample matches the target's sample less often than rejection sampling
+accepts it) by verifying the smallest positive tier for a few steps (the cheapest verified
+evidence; deeper positions take position 1's estimate). The probe interval of a batch size
+carries over to the next generation, as a server's adaptive state does: a drafter that did
+not pay is probed rarely until a probe pays again. Tiers that could not beat AR even if
+every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) / cost(B, 0), are never chosen
+or probed; when none can, the batch runs plain AR steps (no proposals, no target taps, no
+drafter update).
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
@@ -416,7 +417,7 @@ class VerifyLengthController:
       tokens = self.predicted(estimate, b, ~done, remaining)
       g = self.choose(self.scores(estimate, b, ~done, remaining), payable)
       # Before any evidence, learn from a shadow proposal rather than verify on the prior.
-      first_look = not trace and g and (cheap or shadow_probe)
+      first_look = not trace and g > 0 and (cheap or shadow_probe)
       probing = (first_look and not cheap) or (
           not g and bool(payable) and not cheap and idle >= probe_every)
       if first_look:

@@ -106,9 +106,8 @@ class _Eager:
 def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, shadow_probes):
   """MTP / EAGLE-3 / DFlash / DSpark at tier 0 only record the target's features; a probe
   first writes the recorded positions into their caches, in the state the next steps
-  use. Greedy output equals
-  AR, and catching up 12 positions per trip or γ + 1 = 4 per trip drafts exactly what
-  updating the caches at every tier-0 step does."""
+  use. Greedy output equals AR, and catching up 12 positions per trip or γ + 1 = 4 per
+  trip drafts exactly what updating the caches at every tier-0 step does."""
   drafter, params = make(tiny_model)
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=8,
                          probe_every=12, shadow_probes=shadow_probes)
