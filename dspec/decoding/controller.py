@@ -7,14 +7,21 @@ program per tier) and DSpark's load-aware scheduler (maximise τ × steps/s), th
 controller keeps
 
   * an online estimate of the conditional acceptance α_rj of draft position j for every
-    row r (EMA of the engine's per-row accepted-count histogram, shrunk towards the pooled
-    batch estimate; positions never verified yet take the last verified one's value);
+    row r, given a proposal (EMA of the engine's per-row accepted-count histogram, shrunk
+    towards the pooled batch estimate; positions never verified yet take the last
+    verified one's value), and of the rate π_r at which row r proposes at all (an n-gram
+    miss proposes nothing; 1 before any evidence);
   * a step-cost table cost(B, γ) in seconds, profiled at start-up by timing each tier's
-    step on the real state (or loaded from a JSON file written by `CostTable.save`);
+    drafting step on the real state (`force_wide`: verified at full width even where the
+    drafter proposes nothing), or loaded from a JSON file written by `CostTable.save`;
 
 and before every decision chooses the tier maximising expected committed tokens per second
 
-  E(γ) = Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r) / cost(B, γ),
+  E(γ) = Σ_{live r} min(1 + π_r Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r) / c(B, γ),
+
+where a step costs c(B, γ) = P·cost(B, γ) + (1 - P)·(cost(B, 0) + proposal) with P =
+1 - Π_{live r} (1 - π_r) the chance that some row drafts (else the engine runs the anchor
+alone, an AR step),
 
 staying at AR unless the best tier beats it by `margin` (estimates are noisy; near-ties
 are not worth leaving the AR floor for). Each tier's prediction is also scaled by an EMA
@@ -31,8 +38,14 @@ lossless by construction: greedy output equals AR, token for token. Acceptance i
 learnt while verifying less than the largest tier, or nothing: when the largest tier's
 proposal is cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made
 before each chunk and compared with the tokens the chunk commits ("shadow" drafts, never
-verified). Before any evidence, where shadow evidence is available, the first chunk runs
-tier 0 with one rather than verifying a tier on the prior. Costly drafters probe every
+verified). A drafter whose proposal is a function of the committed tokens alone (n-gram:
+`propose_from_tokens`) is instead judged in retrospect, in one device call after each
+chunk: its proposal at every length the chunk committed, matched against what followed,
+along the walk a verifying tier would have taken. That judges every position, so its
+tier-0 chunks run long (4 × `chunk_seconds`: AR loses nothing but the speedup not taken),
+and the prompt is judged so before the first step. Before any evidence, where shadow
+evidence is available, the first chunk runs tier 0 with one rather than verifying a tier
+on the prior. Costly drafters probe every
 `probe_every` steps at tier 0 (the interval doubles while probes do not pay): with one
 shadow proposal where its evidence is exact (greedy decoding, or a drafter proposing
 tokens rather than samples: a shadow match then has the probability a verification would
@@ -178,35 +191,49 @@ class CostTable:
 # ------------------------------------------------------------------ acceptance model
 
 class AcceptanceEstimate:
-  """Per-row EMA counts of conditional acceptance at draft positions 1..G."""
+  """Per-row EMA counts of conditional acceptance at draft positions 1..G, given a
+  proposal, and of how often a row proposes at all (an n-gram miss proposes nothing)."""
 
   def __init__(self, batch: int, max_gamma: int, cfg: ControllerConfig):
     self.cfg = cfg
     self.num_BG = np.zeros((batch, max_gamma))
     self.den_BG = np.zeros((batch, max_gamma))
+    self.proposing_B = np.zeros(batch)   # steps with a proposal ...
+    self.steps_B = np.zeros(batch)       # ... out of steps observed
 
-  def _add(self, num_BG, den_BG) -> None:
-    """EMA update of the positions that got evidence (others keep their counts)."""
+  def _add(self, num_BG, den_BG, proposing_B, steps_B) -> None:
+    """EMA update of the positions (and rows) that got evidence; others keep theirs."""
     g = num_BG.shape[1]
     decay = np.where(den_BG > 0, self.cfg.ema, 1.0)
     self.num_BG[:, :g] = decay * self.num_BG[:, :g] + num_BG
     self.den_BG[:, :g] = decay * self.den_BG[:, :g] + den_BG
+    decay = np.where(steps_B > 0, self.cfg.ema, 1.0)
+    self.proposing_B = decay * self.proposing_B + proposing_B
+    self.steps_B = decay * self.steps_B + steps_B
 
-  def observe(self, delta_hist_BG1: np.ndarray, gamma: int) -> None:
-    """Adds the accepted-count histogram of steps run at tier `gamma`."""
+  def observe(self, delta_hist_BG1: np.ndarray, proposing_B: np.ndarray, gamma: int) -> None:
+    """Adds the accepted-count histogram of steps run at tier `gamma`, of which
+    `proposing_B` had a proposal (the others accepted nothing for want of one)."""
     if gamma == 0:
       return
     h = delta_hist_BG1[:, :gamma + 1].astype(np.float64)
+    steps_B = h.sum(axis=1)
+    h[:, 0] -= steps_B - proposing_B                          # steps that proposed nothing
     at_least = np.cumsum(h[:, ::-1], axis=1)[:, ::-1]         # [B, γ+1]: steps with n >= j
-    self._add(at_least[:, 1:], at_least[:, :-1])
+    self._add(at_least[:, 1:], at_least[:, :-1], proposing_B, steps_B)
 
-  def observe_shadow(self, accepted_B: np.ndarray, judged_B: np.ndarray) -> None:
-    """Adds one unverified proposal per row: `accepted_B` leading drafts matched the
-    committed tokens, out of `judged_B` positions that could be compared."""
-    j = np.arange(1, self.num_BG.shape[1] + 1)[None, :]
-    judged = j <= judged_B[:, None]
-    self._add((judged & (accepted_B[:, None] >= j)).astype(np.float64),
-              (judged & (accepted_B[:, None] >= j - 1)).astype(np.float64))
+  def observe_shadow(self, accepted_BS: np.ndarray, judged_BS: np.ndarray,
+                     proposed_BS: np.ndarray) -> None:
+    """Adds S unverified proposals per row (as one observation): `accepted_BS` leading
+    drafts matched the committed tokens, out of `judged_BS` comparable positions (0: no
+    sample), `proposed_BS` whether there was a proposal at all."""
+    j = np.arange(1, self.num_BG.shape[1] + 1)[None, None, :]
+    sampled = judged_BS > 0
+    judged = (j <= judged_BS[..., None]) & (proposed_BS & sampled)[..., None]
+    self._add(np.sum(judged & (accepted_BS[..., None] >= j), axis=1, dtype=np.float64),
+              np.sum(judged & (accepted_BS[..., None] >= j - 1), axis=1, dtype=np.float64),
+              np.sum(proposed_BS & sampled, axis=1, dtype=np.float64),
+              np.sum(sampled, axis=1, dtype=np.float64))
 
   def conditional(self) -> np.ndarray:
     """α_rj [B, G]: row counts shrunk to the pooled estimate (prior where unseen,
@@ -219,16 +246,23 @@ class AcceptanceEstimate:
       pool[seen[-1] + 1:] = pool[seen[-1]]
     return (self.num_BG + w * pool) / (self.den_BG + w)
 
+  def proposal_rate(self) -> np.ndarray:
+    """π_r [B]: the fraction of steps in which row r proposes, shrunk to the pooled rate
+    (1 before any evidence: a drafter is assumed to draft, and its steps to cost so)."""
+    w = self.cfg.prior_weight
+    pool = (self.proposing_B.sum() + w) / (self.steps_B.sum() + w)
+    return (self.proposing_B + w * pool) / (self.steps_B + w)
+
 
 def expected_tokens(alpha_BG: np.ndarray, gamma: int, live_B: np.ndarray,
-                    remaining_B: np.ndarray) -> float:
-  """Σ_{live r} min(1 + Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r)."""
-  return float(np.sum(np.minimum(row_tokens(alpha_BG, gamma), remaining_B) * live_B))
+                    remaining_B: np.ndarray, rate_B=1.0) -> float:
+  """Σ_{live r} min(1 + π_r Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r)."""
+  return float(np.sum(np.minimum(row_tokens(alpha_BG, gamma, rate_B), remaining_B) * live_B))
 
 
-def row_tokens(alpha_BG: np.ndarray, gamma: int) -> np.ndarray:
-  """Expected tokens per step of each row at tier γ: 1 + Σ_{k≤γ} Π_{j≤k} α_rj."""
-  return 1.0 + np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
+def row_tokens(alpha_BG: np.ndarray, gamma: int, rate_B=1.0) -> np.ndarray:
+  """Expected tokens per step of each row at tier γ: 1 + π_r Σ_{k≤γ} Π_{j≤k} α_rj."""
+  return 1.0 + rate_B * np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
 
 
 # ------------------------------------------------------------------------ controller
@@ -243,16 +277,57 @@ def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
   return (p.tokens_BG, p.num_proposed_B, state.num_tokens_B), dstate
 
 
-@jax.jit
-def _shadow_match(tokens_BL, num_tokens_B, draft_BG, num_proposed_B, start_B):
-  """(leading drafts equal to the tokens committed since, positions comparable)."""
+def _match_committed(tokens_BL, num_tokens_B, draft_BG, num_proposed_B, start_B):
+  """(leading drafts equal to the tokens committed from `start_B` on, positions comparable)."""
   b, g = draft_BG.shape
   j = jnp.arange(g)[None, :]
   committed_BG = tokens_BL[jnp.arange(b)[:, None],
                            jnp.clip(start_B[:, None] + j, 0, tokens_BL.shape[1] - 1)]
-  judged_B = jnp.minimum(num_tokens_B - start_B, g)
+  judged_B = jnp.clip(num_tokens_B - start_B, 0, g)
   ok = (committed_BG == draft_BG) & (j < num_proposed_B[:, None]) & (j < judged_B[:, None])
   return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), judged_B
+
+
+@jax.jit
+def _shadow_match(tokens_BL, num_tokens_B, draft_BG, num_proposed_B, start_B):
+  """`_match_committed`, and whether each row proposed at all: [B, 1] samples."""
+  accepted_B, judged_B = _match_committed(tokens_BL, num_tokens_B, draft_BG, num_proposed_B,
+                                          start_B)
+  return accepted_B[:, None], judged_B[:, None], (num_proposed_B > 0)[:, None]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _retrospective_match(drafter, width: int, tokens_BL, start_B, end_B):
+  """Shadow samples [B, width] of `drafter` (one with `propose_from_tokens`) judged after
+  the fact: what it would have proposed after each length start_B .. end_B - 1 (at most
+  `width`), matched against the tokens committed since, along the walk a tier verifying
+  every proposal would have taken (each step advances accepted + 1 tokens). Returns
+  (accepted, judged, proposed) for `AcceptanceEstimate.observe_shadow`; judged is 0 past a
+  row's walk."""
+
+  def at(offset):
+    length_B = start_B + offset
+    p = drafter.propose_from_tokens(tokens_BL, length_B)
+    accepted_B, judged_B = _match_committed(tokens_BL, end_B, p.tokens_BG, p.num_proposed_B,
+                                            length_B)
+    return accepted_B, judged_B, p.num_proposed_B > 0
+
+  accepted_BW, judged_BW, proposed_BW = jax.vmap(at, out_axes=1)(
+      jnp.arange(width, dtype=jnp.int32))
+  rows = jnp.arange(tokens_BL.shape[0])
+
+  def step(s, carry):
+    at_B, samples = carry
+    i_B = jnp.minimum(at_B, width - 1)
+    live_B = (at_B < width) & (judged_BW[rows, i_B] > 0)
+    sample = (accepted_BW[rows, i_B], judged_BW[rows, i_B], proposed_BW[rows, i_B])
+    samples = tuple(out.at[:, s].set(jnp.where(live_B, x, jnp.zeros_like(x)))
+                    for out, x in zip(samples, sample))
+    return jnp.where(live_B, at_B + sample[0] + 1, width), samples
+
+  zeros = jnp.zeros_like(judged_BW)
+  return jax.lax.fori_loop(0, width, step, (jnp.zeros_like(start_B), (
+      zeros, zeros, zeros.astype(bool))))[1]
 
 
 class VerifyLengthController:
@@ -327,7 +402,9 @@ class VerifyLengthController:
 
   def profile(self, target_params, drafter_params, state) -> CostTable:
     """Times every tier's step on copies of `state` (compiling first), and the largest
-    tier's proposal alone; fills the table."""
+    tier's proposal alone; fills the table. Positive tiers verify their full width even
+    where the drafter proposes nothing (`force_wide`): the table holds what a drafting step
+    costs, and `step_cost` what a step costs given how often rows propose."""
     b = state.tokens_BL.shape[0]
     steps = self.config.profile_steps
     propose = lambda: self._shadow(target_params, drafter_params, state)
@@ -340,7 +417,8 @@ class VerifyLengthController:
       for g in self.tiers:                             # interleave tiers against drift
         copy = jax.tree.map(lambda x: x.copy(), state)
         t0 = time.perf_counter()
-        out = self.engines[g].run(target_params, drafter_params, copy, steps)
+        out = self.engines[g].run(target_params, drafter_params, copy, steps,
+                                  force_wide=g > 0)
         done = max(int(jax.device_get(out.step) - jax.device_get(state.step)), 1)
         if r:
           best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
@@ -352,23 +430,34 @@ class VerifyLengthController:
 
   def predicted(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B):
     """{tier: expected tokens per step}, each scaled by the tier's realised/predicted ratio."""
-    alpha = estimate.conditional()
-    return {g: expected_tokens(alpha, g, live_B, remaining_B) * self._realised.get(g, 1.0)
-            for g in self.tiers}
+    alpha, rate = estimate.conditional(), estimate.proposal_rate()
+    return {g: expected_tokens(alpha, g, live_B, remaining_B, rate) *
+            self._realised.get(g, 1.0) for g in self.tiers}
+
+  def step_cost(self, batch: int, g: int, estimate: AcceptanceEstimate, live_B) -> float:
+    """Expected seconds per step at tier g: the drafting step's cost when some live row
+    proposes (probability 1 - Π_r (1 - π_r)), else the anchor-only forward's, an AR step
+    plus the proposal (an n-gram miss verifies nothing)."""
+    if g == 0:
+      return self.costs[batch, 0]
+    idle = np.prod(np.where(live_B, 1.0 - estimate.proposal_rate(), 1.0))
+    anchor_only = self.costs[batch, 0] + self.costs.propose.get(batch, 0.0)
+    return (1.0 - idle) * self.costs[batch, g] + idle * min(anchor_only, self.costs[batch, g])
 
   def scores(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B) -> dict:
     """{tier: predicted rate}: committed tokens/s ('throughput'), or the inverse of the
     time until the last live row is done if the tier were kept ('makespan': in a static
     batch the slowest row sets the finish time and rows done early idle in the shape)."""
+    cost = {g: self.step_cost(batch, g, estimate, live_B) for g in self.tiers}
     if self.config.objective == 'throughput':
       tokens = self.predicted(estimate, batch, live_B, remaining_B)
-      return {g: tokens[g] / self.costs[batch, g] for g in self.tiers}
-    alpha = estimate.conditional()
+      return {g: tokens[g] / cost[g] for g in self.tiers}
+    alpha, rate = estimate.conditional(), estimate.proposal_rate()
     out = {}
     for g in self.tiers:
-      per_step_B = row_tokens(alpha, g) * self._realised.get(g, 1.0)
+      per_step_B = row_tokens(alpha, g, rate) * self._realised.get(g, 1.0)
       steps = np.max(np.where(live_B, np.ceil(remaining_B / per_step_B), 0.0))
-      out[g] = 1.0 / max(steps * self.costs[batch, g], 1e-12)
+      out[g] = 1.0 / max(steps * cost[g], 1e-12)
     return out
 
   def choose(self, scores: dict, payable) -> int:
@@ -399,25 +488,34 @@ class VerifyLengthController:
           state.drafter_state, self.costs.verify_cost(b, self.tiers)))
     payable = self.payable(b)
     exact = self.engines[0].sampling.greedy or not self.drafter.samples_proposals
-    cheap = bool(payable) and exact and self.costs.propose[b] <= \
-        cfg.shadow_budget * cfg.steps_per_decision * self.costs[b, 0]
+    # Drafters proposing from the tokens alone (n-gram) are judged after each chunk at every
+    # length it committed, as a tier verifying them would have walked (one device call).
+    retrospective = exact and hasattr(self.drafter, 'propose_from_tokens')
+    cheap = bool(payable) and exact and (retrospective or self.costs.propose[b] <= (
+        cfg.shadow_budget * cfg.steps_per_decision * self.costs[b, 0]))
     shadow_probe = exact and cfg.shadow_probes
     positive = min(g for g in self.tiers if g > 0)
     estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
-    hist, done, num, prompt_len, max_new, steps_B = jax.device_get((
-        state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, state.prompt_len_B,
-        state.max_new_tokens, state.stats.steps_B))
+    hist, reached, done, num, prompt_len, max_new, steps_B = jax.device_get((
+        state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
+        state.num_tokens_B, state.prompt_len_B, state.max_new_tokens, state.stats.steps_B))
+    proposing = reached[:, 0]   # steps that verified a draft at position 1
     row0_steps = steps_B[0]
     self.row0_tiers = []
     trace, prev, chunk = [], None, cfg.steps_per_decision
     idle, probe_every, shadowed = 0, self._probe_every.get(b, cfg.probe_every), 0
     self._realised = {}
+    if retrospective and cheap:   # first, the drafter judged on the prompt's own text
+      width = cfg.max_steps_per_decision
+      estimate.observe_shadow(*jax.device_get(_retrospective_match(
+          self.drafter, width, state.tokens_BL, jax.device_put(np.maximum(num - width, 0)),
+          state.num_tokens_B)))
     while not done.all():
       remaining = max_new - (num - prompt_len)
       tokens = self.predicted(estimate, b, ~done, remaining)
       g = self.choose(self.scores(estimate, b, ~done, remaining), payable)
       # Before any evidence, learn from a shadow proposal rather than verify on the prior.
-      first_look = not trace and g > 0 and (cheap or shadow_probe)
+      first_look = not trace and g > 0 and (cheap or shadow_probe) and not retrospective
       probing = (first_look and not cheap) or (
           not g and bool(payable) and not cheap and idle >= probe_every)
       if first_look:
@@ -438,21 +536,32 @@ class VerifyLengthController:
         cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / self.costs[b, g]))
         chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) \
             if grow else cfg.steps_per_decision
+        if g == 0 and retrospective:
+          # Judged in retrospect, a tier-0 chunk of any length is evidence at every length,
+          # and running AR loses nothing but the speedup not taken: long chunks (x4).
+          chunk = max(min(cfg.max_steps_per_decision,
+                          int(4 * cfg.chunk_seconds / self.costs[b, 0])),
+                      cfg.steps_per_decision)
       idle += chunk if g == 0 else 0
       t0 = time.perf_counter()
       num_before, done_before = num, done
       shadow_now = (cheap and g < self.max_gamma) or (probing and g == 0)
       matched = None
-      if shadow_now:
+      if shadow_now and not retrospective:
         proposed, synced = self._shadow(target_params, drafter_params, state)
         state = state.replace(drafter_state=synced)
       engine = self.engines[g] if payable else self._plain_ar
       state = engine.run(target_params, drafter_params, state, chunk)
-      if shadow_now:
+      if shadow_now and not retrospective:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
-      new_hist, done, num, matched, steps_B = jax.device_get((
-          state.stats.accept_hist_BG1, state.done_B, state.num_tokens_B, matched,
-          state.stats.steps_B))
+      new_hist, reached, done, num, matched, steps_B = jax.device_get((
+          state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
+          state.num_tokens_B, matched, state.stats.steps_B))
+      new_proposing = reached[:, 0]
+      if shadow_now and retrospective and not done.all():
+        matched = jax.device_get(_retrospective_match(
+            self.drafter, cfg.max_steps_per_decision, state.tokens_BL,
+            jax.device_put(num_before), state.num_tokens_B))
       new_row0_steps = steps_B[0]
       steps = int(new_hist.sum() - hist.sum())
       self.row0_tiers += [g] * int(new_row0_steps - row0_steps)
@@ -462,11 +571,11 @@ class VerifyLengthController:
         ratio = float(np.sum(num - num_before)) / (
             tokens[g] / self._realised.get(g, 1.0) * steps / max(np.sum(~done_before), 1))
         self._realised[g] = 0.5 * (self._realised.get(g, 1.0) + min(ratio, 1.0))
-      estimate.observe(new_hist - hist, g)
+      estimate.observe(new_hist - hist, new_proposing - proposing, g)
       if matched is not None:
         estimate.observe_shadow(*matched)
-        shadowed += 1
-      hist, prev = new_hist, g
+        shadowed += int(np.max(np.sum(matched[1] > 0, axis=1), initial=0))
+      hist, proposing, prev = new_hist, new_proposing, g
     self.last_trace = trace
     self._probe_every[b] = probe_every
     return state

@@ -34,6 +34,9 @@ Contract:
   propose_prefix   the first g tokens of `propose` (a smaller controller tier of a
                    `truncate_for_tiers` drafter); the default slices the whole proposal,
                    a drafter may skip the work of the later slots (DFlash's head).
+  propose_from_tokens  optional: (tokens_BL, num_tokens_B) -> Proposal, for drafters
+                   whose proposal is a function of the committed tokens alone (n-gram);
+                   the controller then judges them in retrospect at every length.
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts).
 

@@ -120,11 +120,12 @@ class SpeculativeEngine:
     return state.replace(drafter_state=dstate)
 
   def _verify(self, target, key, state: DecodeState, verify_BG1, proposal: Proposal,
-              num_proposed_B):
+              num_proposed_B, force_wide=False):
     """(target output with logits dropped, num accepted [B], emitted tokens [B, γ+1]) of
-    the target forward over [anchor, drafts]. When no live row has a draft, the forward
-    runs over the anchor alone (an AR step's cost) and hidden, taps and emitted tokens are
-    zero-padded to γ+1 slots: nothing past the anchor is accepted, so none is committed."""
+    the target forward over [anchor, drafts]. When no live row has a draft (and not
+    `force_wide`), the forward runs over the anchor alone (an AR step's cost) and hidden,
+    taps and emitted tokens are zero-padded to γ+1 slots: nothing past the anchor is
+    accepted, so none is committed."""
 
     def run(cache, tokens_BT, drafts_BG, num_B, q_BGV):
       out = target(tokens_BT, cache=cache, taps=self.drafter.taps)
@@ -155,13 +156,15 @@ class SpeculativeEngine:
     blank = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(wide, state.cache))
     result = (blank[0]._replace(cache=state.cache),) + blank[1:]
-    any_proposed = jnp.any((num_proposed_B > 0) & ~state.done_B)
+    any_proposed = jnp.any((num_proposed_B > 0) & ~state.done_B) | force_wide
     result = _once_if(any_proposed, lambda r: wide(r[0].cache), result)
     return _once_if(~any_proposed, lambda r: anchor_only(r[0].cache), result)
 
   def step_fn(self, target_params, drafter_params, state: DecodeState,
-              proposal: Optional[Proposal] = None) -> DecodeState:
-    """One draft → verify → accept → commit step for every live row."""
+              proposal: Optional[Proposal] = None, force_wide=False) -> DecodeState:
+    """One draft → verify → accept → commit step for every live row; `force_wide` (a
+    bool, traced or not) verifies the full width even when no row has a draft (what the
+    controller's cost profile times: the cost of a step that drafts)."""
     target = nnx.merge(self.target_graphdef, target_params)
     b = state.tokens_BL.shape[0]
     rows = jnp.arange(b)
@@ -180,7 +183,7 @@ class SpeculativeEngine:
     start_B = state.cache.lengths_B
     verify_BG1 = jnp.concatenate([anchor_B[:, None], proposal.tokens_BG], axis=1)
     out, n_B, emitted_BG1 = self._verify(target, key_verify, state, verify_BG1, proposal,
-                                         num_proposed_B)
+                                         num_proposed_B, force_wide)
 
     # Commit: cut at the first stop token and at the budget; done rows write nothing.
     live_B = ~state.done_B
@@ -232,9 +235,9 @@ class SpeculativeEngine:
     return new_state.replace(drafter_state=dstate)
 
   def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps,
-             *, until_row_done: bool = False) -> DecodeState:
+             force_wide=False, *, until_row_done: bool = False) -> DecodeState:
     """Steps until every row is done or `max_steps` steps ran; with `until_row_done` also
-    until some row that was live at the start has finished."""
+    until some row that was live at the start has finished. `force_wide`: see `step_fn`."""
     stop = state.step + max_steps
     done_at_start_B = state.done_B
 
@@ -245,7 +248,8 @@ class SpeculativeEngine:
       return more
 
     return jax.lax.while_loop(
-        go_on, lambda st: self.step_fn(target_params, drafter_params, st), state)
+        go_on, lambda st: self.step_fn(target_params, drafter_params, st,
+                                       force_wide=force_wide), state)
 
   # ---------------------------------------------------------------- jitted entry points
 
@@ -259,11 +263,14 @@ class SpeculativeEngine:
                                       buffer_len=buffer_len)
 
   def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
-          until_row_done: bool = False) -> DecodeState:
-    """`run_fn` jitted (the state is donated); `max_steps` None: no step limit."""
-    limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps))
+          until_row_done: bool = False, force_wide: bool = False) -> DecodeState:
+    """`run_fn` jitted (the state is donated); `max_steps` None: no step limit.
+    `force_wide` (`step_fn`) is a traced argument: timing the drafting step costs no
+    extra compile."""
+    limit = np.int32(NO_STEP_LIMIT if max_steps is None else max_steps)
+    limit, force_wide = jax.device_put((limit, np.bool_(force_wide)))
     name = 'run_until_row_done' if until_row_done else 'run'
-    return _programs(self)[name](target_params, drafter_params, state, limit)
+    return _programs(self)[name](target_params, drafter_params, state, limit, force_wide)
 
   def generate(self, target_params, drafter_params, state) -> DecodeState:
     return self.run(target_params, drafter_params, state)

@@ -1,16 +1,19 @@
 """The verify-length controller: lossless at every tier, and it picks what pays."""
 
 import dataclasses
+import types
 
+import jax
 import numpy as np
 import pytest
 
 from flax import nnx
 
 from conftest import TINY, generate
-from dspec.decoding.prompts import pad_prompts
+from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
-                                       VerifyLengthController, expected_tokens, tier_drafter)
+                                       VerifyLengthController, _retrospective_match,
+                                       expected_tokens, tier_drafter)
 from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.drafters.dspark import DSparkDrafter
@@ -153,9 +156,11 @@ def test_first_decision_looks_before_verifying(tiny_split, ar):
   """With verification this cheap the prior (α = 0.5) would verify a positive tier at
   once; without evidence the controller first runs tier 0 with a shadow proposal: one
   probe of γ + 1 steps for a costly drafter (then straight to the largest tier, whose
-  drafts all match), one short chunk for a cheap one."""
+  drafts all match), one short chunk for a cheap one. (n-gram has evidence before any
+  step: `test_ngram_is_judged_in_retrospect`.)"""
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2)
-  for drafter, propose, first in ((SelfDrafter(num_draft=3), 1e9, 4), (NGRAM, 0.0, 1)):
+  for drafter, propose, first in ((SelfDrafter(num_draft=3), 1e9, 4),
+                                  (SelfDrafter(num_draft=3), 0.0, 1)):
     controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
                                         cost_table=_costs(0.05, propose))
     assert controller.choose({0: 1.0, 1: 2.0, 3: 2.0}, controller.payable(len(PROMPTS)))
@@ -234,16 +239,62 @@ def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
 def test_acceptance_estimate_and_expected_tokens():
   cfg = ControllerConfig(prior=0.5, prior_weight=1e-9, ema=0.0)
   est = AcceptanceEstimate(batch=2, max_gamma=4, cfg=cfg)
-  # Row 0: 4 steps at γ=2 accepting 0, 1, 2, 2 drafts; row 1: nothing observed.
-  est.observe(np.array([[1, 1, 2, 0, 0], [0, 0, 0, 0, 0]]), gamma=2)
-  alpha = est.conditional()
+  np.testing.assert_allclose(est.proposal_rate(), [1.0, 1.0])   # assumed to draft
+  # Row 0: 6 steps at γ=2, two of them without a proposal, the others accepting 0, 1, 2,
+  # 2 drafts; row 1: nothing observed.
+  est.observe(np.array([[3, 1, 2, 0, 0], [0, 0, 0, 0, 0]]), np.array([4, 0]), gamma=2)
+  alpha, rate = est.conditional(), est.proposal_rate()
   np.testing.assert_allclose(alpha[0, :2], [3 / 4, 2 / 3], rtol=1e-6)
   np.testing.assert_allclose(alpha[0, 2:], [2 / 3, 2 / 3], rtol=1e-6)   # extrapolated
   np.testing.assert_allclose(alpha[1], alpha[0], rtol=1e-6)   # unseen row: pooled
-  assert expected_tokens(alpha, 0, np.array([True, False]), np.array([9, 9])) == 1.0
-  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([9, 9])) == \
-      pytest.approx(1 + 3 / 4 + 1 / 2)
-  assert expected_tokens(alpha, 2, np.array([True, False]), np.array([1, 9])) == 1.0
+  np.testing.assert_allclose(rate, [4 / 6, 4 / 6], rtol=1e-6)
+  live = np.array([True, False])
+  assert expected_tokens(alpha, 0, live, np.array([9, 9]), rate) == 1.0
+  assert expected_tokens(alpha, 2, live, np.array([9, 9]), rate) == \
+      pytest.approx(1 + 4 / 6 * (3 / 4 + 1 / 2))
+  assert expected_tokens(alpha, 2, live, np.array([1, 9]), rate) == 1.0
+  # A step costs the drafting step's price only when some live row proposes.
+  table = CostTable({(2, 0): 1.0, (2, 2): 3.0}, {2: 0.1})
+  cost = lambda g, live: VerifyLengthController.step_cost(
+      types.SimpleNamespace(costs=table), 2, g, est, live)
+  assert cost(0, live) == 1.0
+  assert cost(2, live) == pytest.approx(4 / 6 * 3.0 + 2 / 6 * 1.1)
+  assert cost(2, np.array([True, True])) == pytest.approx(
+      (1 - (2 / 6) ** 2) * 3.0 + (2 / 6) ** 2 * 1.1)
+
+
+def test_ngram_is_judged_in_retrospect(tiny_split, ar):
+  """After a chunk the n-gram drafter's proposals at every committed length are
+  recomputed and walked as a verifying tier would have (here by hand: no match at length
+  3, three drafts accepted at 4, the one draft judgeable at 8 rejected); the controller
+  judges the prompt so before its first step; forced-wide steps (what the cost profile
+  times) commit what AR does."""
+  tokens_BL = np.array([[1, 2, 3, 1, 2, 3, 1, 2, 4, 0, 0, 0]], np.int32)
+  drafter = NgramDrafter(num_draft=3, min_n=1, max_n=2)
+  accepted, judged, proposed = jax.device_get(_retrospective_match(
+      drafter, 8, tokens_BL, np.array([3], np.int32), np.array([9], np.int32)))
+  assert accepted[0, :4].tolist() == [0, 3, 0, 0]
+  assert judged[0, :4].tolist() == [3, 3, 1, 0] and not judged[0, 3:].any()
+  assert proposed[0, :3].tolist() == [False, True, True]
+  est = AcceptanceEstimate(1, 3, ControllerConfig(prior_weight=1e-9, ema=0.0))
+  est.observe_shadow(accepted, judged, proposed)
+  np.testing.assert_allclose(est.conditional()[0], [1 / 2, 1, 1], rtol=1e-6)
+  np.testing.assert_allclose(est.proposal_rate(), [2 / 3], rtol=1e-6)
+
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=ControllerConfig(
+      tiers=TIERS), cost_table=_costs(0.05))
+  outs, _ = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  # The repetitive prompts judged so, it verifies from the first step (no tier-0 look);
+  # prompts without a repeat, where n-gram proposes nothing, keep it at AR.
+  assert controller.last_trace[0][0] > 0, controller.last_trace
+  generate(controller, tiny_split[1], None, [list(range(10, 20)), list(range(30, 37))], 8)
+  assert controller.last_trace[0][0] == 0, controller.last_trace
+  engine = SpeculativeEngine(tiny_split[0], drafter=NGRAM)
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = engine.prefill(tiny_split[1], None, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  state = engine.run(tiny_split[1], None, state, force_wide=True)
+  assert generated_ids(state) == ar[0]
 
 
 def test_tiers_resize_or_truncate():

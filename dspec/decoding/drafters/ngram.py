@@ -44,7 +44,12 @@ class NgramDrafter(StatelessDrafter):
     check_num_draft('ngram', self.num_draft)
 
   def propose(self, params, state, target, ctx, key):
-    tokens_BL, num_tokens_B = ctx.tokens_BL, ctx.num_tokens_B
+    return self.propose_from_tokens(ctx.tokens_BL, ctx.num_tokens_B)
+
+  def propose_from_tokens(self, tokens_BL, num_tokens_B) -> Proposal:
+    """The proposal after the first `num_tokens_B` tokens: it reads nothing past them, so
+    what was proposed at an earlier length can be recomputed later (the controller's
+    retrospective shadow drafts)."""
     b, length = tokens_BL.shape
     best_B = jnp.full((b,), -1, jnp.int32)
     for n in range(self.max_n, self.min_n - 1, -1):
