@@ -45,8 +45,8 @@ along the walk a verifying tier would have taken. That judges every position, so
 tier-0 chunks run long (4 × `chunk_seconds`: AR loses nothing but the speedup not taken),
 and the prompt is judged so before the first step. Before any evidence, where shadow
 evidence is available, the first chunk runs tier 0 with one rather than verifying a tier
-on the prior. Costly drafters probe every
-`probe_every` steps at tier 0 (the interval doubles while probes do not pay): with one
+on the prior. Costly drafters probe every `probe_every` steps at tier 0 (the interval
+doubles while probes do not pay): with one
 shadow proposal where its evidence is exact (greedy decoding, or a drafter proposing
 tokens rather than samples: a shadow match then has the probability a verification would
 accept), which costs one draft pass and measures every position; else (a sampling drafter
@@ -54,7 +54,8 @@ at T > 0, where a sample matches the target's sample less often than rejection s
 accepts it) by verifying the smallest positive tier for a few steps (the cheapest verified
 evidence; deeper positions take position 1's estimate). The probe interval of a batch size
 carries over to the next generation, as a server's adaptive state does: a drafter that did
-not pay is probed rarely until a probe pays again. Tiers that could not beat AR even if
+not pay is probed rarely until a probe pays again; so does the batch's pooled acceptance
+and proposal rate, the next generation's prior (which then needs no first look). Tiers that could not beat AR even if
 every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) / cost(B, 0), are never chosen
 or probed; when none can, the batch runs plain AR steps (no proposals, no target taps, no
 drafter update).
@@ -194,8 +195,11 @@ class AcceptanceEstimate:
   """Per-row EMA counts of conditional acceptance at draft positions 1..G, given a
   proposal, and of how often a row proposes at all (an n-gram miss proposes nothing)."""
 
-  def __init__(self, batch: int, max_gamma: int, cfg: ControllerConfig):
+  def __init__(self, batch: int, max_gamma: int, cfg: ControllerConfig, carried=None):
+    """`carried`: (α_G, π) pooled at the end of an earlier generation, the prior in place
+    of (cfg.prior, 1)."""
     self.cfg = cfg
+    self.carried = carried
     self.num_BG = np.zeros((batch, max_gamma))
     self.den_BG = np.zeros((batch, max_gamma))
     self.proposing_B = np.zeros(batch)   # steps with a proposal ...
@@ -235,23 +239,28 @@ class AcceptanceEstimate:
               np.sum(proposed_BS & sampled, axis=1, dtype=np.float64),
               np.sum(sampled, axis=1, dtype=np.float64))
 
-  def conditional(self) -> np.ndarray:
-    """α_rj [B, G]: row counts shrunk to the pooled estimate (prior where unseen,
-    extrapolated from the last verified position beyond it)."""
+  def pooled(self):
+    """(α_G, π) of the whole batch: the prior where unseen (without a carried prior,
+    positions past the last verified one take its value)."""
     w = self.cfg.prior_weight
-    pool_num, pool_den = self.num_BG.sum(0), self.den_BG.sum(0)
-    pool = (pool_num + w * self.cfg.prior) / (pool_den + w)
+    prior_alpha, prior_rate = self.carried or (self.cfg.prior, 1.0)
+    pool_den = self.den_BG.sum(0)
+    alpha = (self.num_BG.sum(0) + w * prior_alpha) / (pool_den + w)
     seen = np.nonzero(pool_den > 0)[0]
-    if len(seen):
-      pool[seen[-1] + 1:] = pool[seen[-1]]
-    return (self.num_BG + w * pool) / (self.den_BG + w)
+    if len(seen) and self.carried is None:
+      alpha[seen[-1] + 1:] = alpha[seen[-1]]
+    return alpha, (self.proposing_B.sum() + w * prior_rate) / (self.steps_B.sum() + w)
+
+  def conditional(self) -> np.ndarray:
+    """α_rj [B, G]: row counts shrunk to the pooled estimate."""
+    return (self.num_BG + self.cfg.prior_weight * self.pooled()[0]) / (
+        self.den_BG + self.cfg.prior_weight)
 
   def proposal_rate(self) -> np.ndarray:
     """π_r [B]: the fraction of steps in which row r proposes, shrunk to the pooled rate
     (1 before any evidence: a drafter is assumed to draft, and its steps to cost so)."""
     w = self.cfg.prior_weight
-    pool = (self.proposing_B.sum() + w) / (self.steps_B.sum() + w)
-    return (self.proposing_B + w * pool) / (self.steps_B + w)
+    return (self.proposing_B + w * self.pooled()[1]) / (self.steps_B + w)
 
 
 def expected_tokens(alpha_BG: np.ndarray, gamma: int, live_B: np.ndarray,
@@ -357,6 +366,7 @@ class VerifyLengthController:
     self._checked = False
     self._realised = {}     # tier -> EMA of realised / predicted tokens (<= 1)
     self._probe_every = {}  # batch size -> tier-0 probe interval, kept across generations
+    self._carried = {}      # batch size -> pooled (α_G, π) at the end of the last one
 
   def _set_engines(self, engines):
     """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
@@ -495,7 +505,8 @@ class VerifyLengthController:
         cfg.shadow_budget * cfg.steps_per_decision * self.costs[b, 0]))
     shadow_probe = exact and cfg.shadow_probes
     positive = min(g for g in self.tiers if g > 0)
-    estimate = AcceptanceEstimate(b, self.max_gamma, cfg)
+    carried = self._carried.get(b)
+    estimate = AcceptanceEstimate(b, self.max_gamma, cfg, carried)
     hist, reached, done, num, prompt_len, max_new, steps_B = jax.device_get((
         state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
         state.num_tokens_B, state.prompt_len_B, state.max_new_tokens, state.stats.steps_B))
@@ -515,7 +526,8 @@ class VerifyLengthController:
       tokens = self.predicted(estimate, b, ~done, remaining)
       g = self.choose(self.scores(estimate, b, ~done, remaining), payable)
       # Before any evidence, learn from a shadow proposal rather than verify on the prior.
-      first_look = not trace and g > 0 and (cheap or shadow_probe) and not retrospective
+      first_look = not trace and g > 0 and (cheap or shadow_probe) and not (
+          retrospective or carried)
       probing = (first_look and not cheap) or (
           not g and bool(payable) and not cheap and idle >= probe_every)
       if first_look:
@@ -578,6 +590,7 @@ class VerifyLengthController:
       hist, proposing, prev = new_hist, new_proposing, g
     self.last_trace = trace
     self._probe_every[b] = probe_every
+    self._carried[b] = estimate.pooled()
     return state
 
   def tier_steps(self) -> dict:

@@ -156,8 +156,9 @@ def test_first_decision_looks_before_verifying(tiny_split, ar):
   """With verification this cheap the prior (α = 0.5) would verify a positive tier at
   once; without evidence the controller first runs tier 0 with a shadow proposal: one
   probe of γ + 1 steps for a costly drafter (then straight to the largest tier, whose
-  drafts all match), one short chunk for a cheap one. (n-gram has evidence before any
-  step: `test_ngram_is_judged_in_retrospect`.)"""
+  drafts all match), one short chunk for a cheap one; the next generation's prior is
+  what the last one learnt. (n-gram has evidence before any step:
+  `test_ngram_is_judged_in_retrospect`.)"""
   cfg = ControllerConfig(tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2)
   for drafter, propose, first in ((SelfDrafter(num_draft=3), 1e9, 4),
                                   (SelfDrafter(num_draft=3), 0.0, 1)):
@@ -169,6 +170,9 @@ def test_first_decision_looks_before_verifying(tiny_split, ar):
     trace = [(g, n // len(PROMPTS)) for g, n, _ in controller.last_trace]
     assert trace[0] == (0, first), trace
     assert any(g > 0 for g, _ in trace[1:]), trace
+    # The next generation starts from the pooled estimate carried over: it verifies at once.
+    outs, _ = _decode(controller, tiny_split[1], None)
+    assert outs == ar[0] and controller.last_trace[0][0] > 0, controller.last_trace
 
 
 def test_probe_interval_carries_over_to_the_next_generation(tiny_model, tiny_split, ar):
