@@ -57,8 +57,8 @@ carries over to the next generation, as a server's adaptive state does: a drafte
 not pay is probed rarely until a probe pays again; so does the batch's pooled acceptance
 and proposal rate, the next generation's prior (which then needs no first look). Tiers that could not beat AR even if
 every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) / cost(B, 0), are never chosen
-or probed; when none can, the batch runs plain AR steps (no proposals, no target taps, no
-drafter update).
+or probed; when none can, or when a tier-0 chunk will run to the end of the batch with no
+probe due, the batch runs plain AR steps (no proposals, no target taps, no drafter update).
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
@@ -562,7 +562,10 @@ class VerifyLengthController:
       if shadow_now and not retrospective:
         proposed, synced = self._shadow(target_params, drafter_params, state)
         state = state.replace(drafter_state=synced)
-      engine = self.engines[g] if payable else self._plain_ar
+      # Plain AR steps when nothing will be proposed before the batch ends: no tier can
+      # pay, or this tier-0 chunk runs to the end with no probe or shadow draft after it.
+      final_ar = g == 0 and not cheap and chunk >= int(remaining.max())
+      engine = self.engines[g] if payable and not final_ar else self._plain_ar
       state = engine.run(target_params, drafter_params, state, chunk)
       if shadow_now and not retrospective:
         matched = _shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)

@@ -225,6 +225,24 @@ def test_unpayable_batch_runs_plain_ar_with_a_stateful_drafter(tiny_model, tiny_
   assert controller._plain_ar.drafter.taps == ()
 
 
+def test_tier0_to_the_end_runs_plain_ar(tiny_model, tiny_split, ar):
+  """A tier-0 chunk that runs to the end of the batch with no probe due (MTP, probes every
+  512 steps) takes plain AR steps: the drafter state is left as the prefill made it (no
+  taps recorded), and the output is AR's."""
+  drafter, params = _mtp(tiny_model)
+  controller = VerifyLengthController(tiny_split[0], drafter, config=ControllerConfig(
+      tiers=TIERS, probe_every=512), cost_table=_costs(0.6, 1e9))
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  with jax.transfer_guard('disallow'):
+    state = controller.prefill(tiny_split[1], params, prompt_BP, lens,
+                               max_new_tokens=NEW_TOKENS)
+    before = jax.device_get(state.drafter_state)
+    state = controller.generate(tiny_split[1], params, state)
+  assert generated_ids(state) == ar[0]
+  assert [g for g, _, _ in controller.last_trace] == [0]
+  jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.drafter_state))
+
+
 def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
   cfg = ControllerConfig(tiers=(0, 1), profile_steps=2, profile_repeats=1)
   controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
