@@ -5,10 +5,10 @@ the engine's jitted step with that proposal, and reads back only what the step c
 (at most γ + 1 tokens per row, plus the counters), never the whole token buffer.
 
 With `fallback` (an engine over the same state that verifies nothing, i.e. plain AR), a
-drafter that keeps proposing nothing stops costing a host round trip per token: after
-`patience` empty steps the loop runs AR chunks on device (`chunk` steps, doubling while
-the drafter still has nothing to say, up to `max_chunk`) and asks the drafter again
-after each one.
+drafter that stops paying stops costing a host round trip per token: after `patience`
+steps in a row that accepted no draft (empty proposals or rejected ones) the loop runs AR
+chunks on device (`chunk` steps, doubling up to `max_chunk` until a draft is accepted
+again) and asks the drafter after each one, trying a proposal it makes with one step.
 """
 
 from __future__ import annotations
@@ -48,21 +48,24 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
   host_drafter.start(sequences)
-  empty, ar_chunk = 0, chunk
+  unpaid, ar_chunk, tried = 0, chunk, False
   while not done.all():
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
-    if fallback is not None:
-      empty = empty + 1 if not np.any(np.asarray(num_B)[~done]) else 0
-    if empty > patience:
+    proposed = np.any(np.asarray(num_B)[~done])
+    if fallback is not None and unpaid >= patience and (tried or not proposed):
       # Read back at most what AR committed: ar_chunk tokens per row.
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
       num, done = _read_back(state, sequences, num, ar_chunk)
-      ar_chunk = min(2 * ar_chunk, max_chunk)
+      ar_chunk, tried = min(2 * ar_chunk, max_chunk), False
       continue
-    ar_chunk = chunk
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
                                        np.asarray(num_B, np.int32)))
     state = engine.step(target_params, drafter_params, state, proposal)
+    before = num
     num, done = _read_back(state, sequences, num, engine.num_draft + 1)
+    if np.any(num - before > 1):   # a draft was accepted: speculation pays again
+      unpaid, ar_chunk, tried = 0, chunk, False
+    else:
+      unpaid, tried = unpaid + 1, True
   host_drafter.finish(sequences)
   return state

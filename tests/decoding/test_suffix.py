@@ -217,3 +217,43 @@ def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split
                              patience=2, chunk=4)
   assert generated_ids(state) == expected
   assert host.calls < 12, f'{host.calls} host round trips for 59 tokens'
+
+
+class _RejectedHostDrafter(_SilentHostDrafter):
+  """Always proposes, a first draft the target never takes (the AR token + 1)."""
+
+  def __init__(self, expected):
+    super().__init__()
+    self.expected = expected
+
+  def propose(self, sequences, live):
+    self.calls += 1
+    tokens = np.zeros((len(sequences), 4), np.int32)
+    for b, seq in enumerate(sequences):
+      done = len(seq) - len(self.sequences[b])
+      if live[b] and done < len(self.expected[b]):
+        tokens[b] = self.expected[b][done] + 1
+    return tokens, np.full((len(sequences),), 4, np.int32) * live
+
+  def start(self, sequences):
+    self.sequences = [list(s) for s in sequences]
+
+
+def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
+  """Proposals that never pay count like empty ones: AR chunks, one try after each."""
+  graphdef, params = tiny_split
+  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
+  ar = SpeculativeEngine(graphdef)
+  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
+                                                                lens, max_new_tokens=60)))
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
+  fallback = engine.with_drafter(TruncatedDrafter(engine.drafter, 0))
+  # The host copy starts after the prefill's token; drafts target the tokens after it.
+  host = _RejectedHostDrafter([e[1:] for e in expected])
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
+  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
+                             patience=2, chunk=4)
+  assert generated_ids(state) == expected
+  assert int(np.asarray(state.stats.accepted_B).sum()) == 0
+  assert host.calls < 14, f'{host.calls} host round trips for 59 tokens'
+
