@@ -171,7 +171,9 @@ class HostDrafter(Protocol):
   num_draft: int
 
   def start(self, sequences: list) -> None:
-    """Called once with each row's committed tokens (the prompts)."""
+    """Called once with each row's tokens so far: its prompt (the runner calls it while
+    the device prefills), or its prompt and the prefill's token; `propose` then passes
+    the growing sequences."""
 
   def propose(self, sequences: list, live: np.ndarray) -> tuple:
     """Returns (tokens [B, γ] int32, num_proposed [B] int32) for the current sequences."""

@@ -41,13 +41,15 @@ def _read_back(state, sequences, num, width):
 
 
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
-                       fallback=None, patience: int = 4, chunk: int = 8,
-                       max_chunk: int = 128):
+                       fallback=None, patience: int = 2, chunk: int = 8,
+                       max_chunk: int = 128, started: bool = False):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
-  (with `fallback`, AR chunks while it proposes nothing; module docstring)."""
+  (with `fallback`, AR chunks while it stops paying; module docstring). `started`: its
+  `start` already saw the prompts (the runner calls it while the device prefills)."""
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
-  host_drafter.start(sequences)
+  if not started:
+    host_drafter.start(sequences)
   unpaid, ar_chunk, tried = 0, chunk, False
   while not done.all():
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)

@@ -25,7 +25,7 @@ from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import generate_host_loop
-from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
+from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.metrics import acceptance_metrics
@@ -89,18 +89,22 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
                    host_fallback=None):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
-  while they propose nothing."""
+  while they stop paying; their set-up over the prompts (suffix tries) runs while the
+  device prefills, as a server starts a request's host state on arrival."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+  host = None if host_factory is None else host_factory()
+  if host is not None:
+    host.start(row_tokens(np.asarray(prompt_BP), np.asarray(prompt_len_B)))
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  if host_factory is None:
+  if host is None:
     state = engine.generate(target_params, drafter_params, state)
   else:
-    state = generate_host_loop(engine, target_params, drafter_params, state, host_factory(),
-                               fallback=host_fallback)
+    state = generate_host_loop(engine, target_params, drafter_params, state, host,
+                               fallback=host_fallback, started=True)
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 

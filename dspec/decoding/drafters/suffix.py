@@ -273,9 +273,9 @@ class SuffixHostDrafter:
     return tokens_BG, num_B
 
   def finish(self, sequences: list) -> None:
-    for b, sequence in enumerate(sequences):
-      self._sync(b, sequence)
-    self.shared.end_run(self._prompts, [r.output for r in self._requests])
+    # The outputs come from the host copy: the per-request tries are dropped unsynced.
+    self.shared.end_run(self._prompts, [list(s[len(p):])
+                                        for s, p in zip(sequences, self._prompts)])
     self._requests = []
 
 
