@@ -36,8 +36,8 @@ when a positive tier or a shadow proposal next needs them; a shadow proposal's c
 state is kept). Every tier runs the same verified speculative step, so the output is
 lossless by construction: greedy output equals AR, token for token. Acceptance is also
 learnt while verifying less than the largest tier, or nothing: when the largest tier's
-proposal is cheap (n-gram, oracle: profiled, under `shadow_budget` of a chunk) it is made
-before each chunk and compared with the tokens the chunk commits ("shadow" drafts, never
+proposal is cheap (oracle: profiled, under `shadow_budget` of a chunk) it is made before
+each chunk and compared with the tokens the chunk commits ("shadow" drafts, never
 verified). A drafter whose proposal is a function of the committed tokens alone (n-gram:
 `propose_from_tokens`) is instead judged in retrospect, in one device call after each
 chunk: its proposal at every length the chunk committed, matched against what followed,
@@ -46,19 +46,19 @@ tier-0 chunks run long (4 × `chunk_seconds`: AR loses nothing but the speedup n
 and the prompt is judged so before the first step. Before any evidence, where shadow
 evidence is available, the first chunk runs tier 0 with one rather than verifying a tier
 on the prior. Costly drafters probe every `probe_every` steps at tier 0 (the interval
-doubles while probes do not pay): with one
-shadow proposal where its evidence is exact (greedy decoding, or a drafter proposing
-tokens rather than samples: a shadow match then has the probability a verification would
-accept), which costs one draft pass and measures every position; else (a sampling drafter
-at T > 0, where a sample matches the target's sample less often than rejection sampling
-accepts it) by verifying the smallest positive tier for a few steps (the cheapest verified
-evidence; deeper positions take position 1's estimate). The probe interval of a batch size
-carries over to the next generation, as a server's adaptive state does: a drafter that did
-not pay is probed rarely until a probe pays again; so does the batch's pooled acceptance
-and proposal rate, the next generation's prior (which then needs no first look). Tiers that could not beat AR even if
-every draft were accepted, (γ+1)/cost(B, γ) < (1 + margin) / cost(B, 0), are never chosen
-or probed; when none can, or when a tier-0 chunk will run to the end of the batch with no
-probe due, the batch runs plain AR steps (no proposals, no target taps, no drafter update).
+doubles while probes do not pay): with one shadow proposal where its evidence is exact
+(greedy decoding, or a drafter proposing tokens rather than samples: a shadow match then
+has the probability a verification would accept), which costs one draft pass and measures
+every position; else (a sampling drafter at T > 0, where a sample matches the target's
+sample less often than rejection sampling accepts it) by verifying the smallest positive
+tier for a few steps (the cheapest verified evidence; deeper positions take position 1's
+estimate). The probe interval of a batch size carries over to the next generation, as a
+server's adaptive state does: a drafter that did not pay is probed rarely until a probe
+pays again; so does the batch's pooled acceptance and proposal rate, the next generation's
+prior (which then needs no first look). Tiers that could not beat AR even if every draft
+were accepted, (γ+1)/cost(B, γ) < (1 + margin) / cost(B, 0), are never chosen or probed;
+when none can, or when a tier-0 chunk will run to the end of the batch with no probe due,
+the batch runs plain AR steps (no proposals, no target taps, no drafter update).
 
 Each decision runs `steps_per_decision` steps inside one jitted `lax.while_loop` and reads
 the counters back once; while the chosen tier is unchanged the chunk grows (x2, x4 at AR
