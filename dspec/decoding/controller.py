@@ -448,11 +448,13 @@ class VerifyLengthController:
     """Expected seconds per step at tier g: the drafting step's cost when some live row
     proposes (probability 1 - Π_r (1 - π_r)), else the anchor-only forward's, an AR step
     plus the proposal (an n-gram miss verifies nothing)."""
+    ar = self.costs[batch, 0]
     if g == 0:
-      return self.costs[batch, 0]
+      return ar
     idle = np.prod(np.where(live_B, 1.0 - estimate.proposal_rate(), 1.0))
-    anchor_only = self.costs[batch, 0] + self.costs.propose.get(batch, 0.0)
-    return (1.0 - idle) * self.costs[batch, g] + idle * min(anchor_only, self.costs[batch, g])
+    drafting = max(self.costs[batch, g], ar)   # a profile below AR's is timing noise
+    anchor_only = min(ar + self.costs.propose.get(batch, 0.0), drafting)
+    return (1.0 - idle) * drafting + idle * anchor_only
 
   def scores(self, estimate: AcceptanceEstimate, batch: int, live_B, remaining_B) -> dict:
     """{tier: predicted rate}: committed tokens/s ('throughput'), or the inverse of the

@@ -29,6 +29,7 @@ def test_two_drafters_share_one_ar_baseline(tmp_path):
   for r in rows:
     assert r['lossless'] is True, r
     assert r['new_tokens'] == 8 * r['concurrency'] and r['tokens_per_s'] > 0
+    assert r['decode_s_rounds'] == [r['decode_s']]   # no timed repeats: the warm-up's time
     if r['method'] == 'ar':
       assert r['speedup'] == 1.0 and r['tau'] == 1.0 and r['verified_per_committed'] == 1.0
     if r['verify_length'] == 'auto':

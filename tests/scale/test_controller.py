@@ -33,11 +33,11 @@ TIERS = (0, 1, 3)
 NGRAM = NgramDrafter(num_draft=8, max_n=3)
 
 
-def _costs(per_token: float, propose: float = 0.0):
-  """cost(γ) = 1 + per_token·γ for the test batch (no profiling in unit tests); a
+def _costs(per_token: float, propose: float = 0.0, batches=(len(PROMPTS),)):
+  """cost(γ) = 1 + per_token·γ for the test batch sizes (no profiling in unit tests); a
   proposal costing `propose` (large: no shadow drafts, tier 0 probes instead)."""
-  b = len(PROMPTS)
-  return CostTable({(b, g): 1.0 + per_token * g for g in TIERS}, {b: propose})
+  return CostTable({(b, g): 1.0 + per_token * g for g in TIERS for b in batches},
+                   {b: propose for b in batches})
 
 
 def _decode(engine, params, dparams):
@@ -304,7 +304,7 @@ def test_ngram_is_judged_in_retrospect(tiny_split, ar):
   np.testing.assert_allclose(est.proposal_rate(), [2 / 3], rtol=1e-6)
 
   controller = VerifyLengthController(tiny_split[0], NGRAM, config=ControllerConfig(
-      tiers=TIERS), cost_table=_costs(0.05))
+      tiers=TIERS), cost_table=_costs(0.05, batches=(2, 3)))
   outs, _ = _decode(controller, tiny_split[1], None)
   assert outs == ar[0]
   # The repetitive prompts judged so, it verifies from the first step (no tier-0 look);
