@@ -444,14 +444,14 @@ class VerifyLengthController:
     return {g: expected_tokens(alpha, g, live_B, remaining_B, rate) *
             self._realised.get(g, 1.0) for g in self.tiers}
 
-  def step_cost(self, batch: int, g: int, estimate: AcceptanceEstimate, live_B) -> float:
+  def step_cost(self, batch: int, g: int, rate_B, live_B) -> float:
     """Expected seconds per step at tier g: the drafting step's cost when some live row
-    proposes (probability 1 - Π_r (1 - π_r)), else the anchor-only forward's, an AR step
-    plus the proposal (an n-gram miss verifies nothing)."""
+    proposes (probability 1 - Π_r (1 - π_r), π = `rate_B`), else the anchor-only
+    forward's, an AR step plus the proposal (an n-gram miss verifies nothing)."""
     ar = self.costs[batch, 0]
     if g == 0:
       return ar
-    idle = np.prod(np.where(live_B, 1.0 - estimate.proposal_rate(), 1.0))
+    idle = np.prod(np.where(live_B, 1.0 - rate_B, 1.0))
     drafting = max(self.costs[batch, g], ar)   # a profile below AR's is timing noise
     anchor_only = min(ar + self.costs.propose.get(batch, 0.0), drafting)
     return (1.0 - idle) * drafting + idle * anchor_only
@@ -460,11 +460,11 @@ class VerifyLengthController:
     """{tier: predicted rate}: committed tokens/s ('throughput'), or the inverse of the
     time until the last live row is done if the tier were kept ('makespan': in a static
     batch the slowest row sets the finish time and rows done early idle in the shape)."""
-    cost = {g: self.step_cost(batch, g, estimate, live_B) for g in self.tiers}
+    alpha, rate = estimate.conditional(), estimate.proposal_rate()
+    cost = {g: self.step_cost(batch, g, rate, live_B) for g in self.tiers}
     if self.config.objective == 'throughput':
       tokens = self.predicted(estimate, batch, live_B, remaining_B)
       return {g: tokens[g] / cost[g] for g in self.tiers}
-    alpha, rate = estimate.conditional(), estimate.proposal_rate()
     out = {}
     for g in self.tiers:
       per_step_B = row_tokens(alpha, g, rate) * self._realised.get(g, 1.0)
@@ -519,10 +519,8 @@ class VerifyLengthController:
     idle, probe_every, shadowed = 0, self._probe_every.get(b, cfg.probe_every), 0
     self._realised = {}
     if retrospective and cheap:   # first, the drafter judged on the prompt's own text
-      width = cfg.max_steps_per_decision
-      estimate.observe_shadow(*jax.device_get(_retrospective_match(
-          self.drafter, width, state.tokens_BL, jax.device_put(np.maximum(num - width, 0)),
-          state.num_tokens_B)))
+      estimate.observe_shadow(*self._judge_in_retrospect(
+          state, np.maximum(num - cfg.max_steps_per_decision, 0)))
     while not done.all():
       remaining = max_new - (num - prompt_len)
       tokens = self.predicted(estimate, b, ~done, remaining)
@@ -576,9 +574,7 @@ class VerifyLengthController:
           state.num_tokens_B, matched, state.stats.steps_B))
       new_proposing = reached[:, 0]
       if shadow_now and retrospective and not done.all():
-        matched = jax.device_get(_retrospective_match(
-            self.drafter, cfg.max_steps_per_decision, state.tokens_BL,
-            jax.device_put(num_before), state.num_tokens_B))
+        matched = self._judge_in_retrospect(state, num_before)
       new_row0_steps = steps_B[0]
       steps = int(new_hist.sum() - hist.sum())
       self.row0_tiers += [g] * int(new_row0_steps - row0_steps)
@@ -597,6 +593,12 @@ class VerifyLengthController:
     self._probe_every[b] = probe_every
     self._carried[b] = estimate.pooled()
     return state
+
+  def _judge_in_retrospect(self, state, start_B: np.ndarray):
+    """Host copies of `_retrospective_match` over the lengths from `start_B` (host) on."""
+    return jax.device_get(_retrospective_match(
+        self.drafter, self.config.max_steps_per_decision, state.tokens_BL,
+        jax.device_put(start_B), state.num_tokens_B))
 
   def tier_steps(self) -> dict:
     """{tier: verify steps summed over rows} of the last `generate`."""

@@ -203,7 +203,9 @@ class _SilentHostDrafter:
     pass
 
 
-def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
+def _host_loop_with_fallback(tiny_split, make_host):
+  """(AR's generated ids, final state, host drafter) of the host loop with an AR fallback
+  (patience 2, chunks from 4), 60 new tokens; `make_host(ar_ids)` builds the drafter."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -211,10 +213,16 @@ def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split
                                                                 lens, max_new_tokens=60)))
   engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
   fallback = engine.with_drafter(TruncatedDrafter(engine.drafter, 0))
-  host = _SilentHostDrafter()
+  host = make_host(expected)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
   state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
                              patience=2, chunk=4)
+  return expected, state, host
+
+
+def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
+  expected, state, host = _host_loop_with_fallback(tiny_split,
+                                                   lambda _: _SilentHostDrafter())
   assert generated_ids(state) == expected
   assert host.calls < 12, f'{host.calls} host round trips for 59 tokens'
 
@@ -241,18 +249,9 @@ class _RejectedHostDrafter(_SilentHostDrafter):
 
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones: AR chunks, one try after each."""
-  graphdef, params = tiny_split
-  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
-  ar = SpeculativeEngine(graphdef)
-  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
-                                                                lens, max_new_tokens=60)))
-  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
-  fallback = engine.with_drafter(TruncatedDrafter(engine.drafter, 0))
   # The host copy starts after the prefill's token; drafts target the tokens after it.
-  host = _RejectedHostDrafter([e[1:] for e in expected])
-  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
-  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
-                             patience=2, chunk=4)
+  expected, state, host = _host_loop_with_fallback(
+      tiny_split, lambda ar_ids: _RejectedHostDrafter([e[1:] for e in ar_ids]))
   assert generated_ids(state) == expected
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
   assert host.calls < 14, f'{host.calls} host round trips for 59 tokens'

@@ -278,7 +278,7 @@ def test_acceptance_estimate_and_expected_tokens():
   # A step costs the drafting step's price only when some live row proposes.
   table = CostTable({(2, 0): 1.0, (2, 2): 3.0}, {2: 0.1})
   cost = lambda g, live: VerifyLengthController.step_cost(
-      types.SimpleNamespace(costs=table), 2, g, est, live)
+      types.SimpleNamespace(costs=table), 2, g, est.proposal_rate(), live)
   assert cost(0, live) == 1.0
   assert cost(2, live) == pytest.approx(4 / 6 * 3.0 + 2 / 6 * 1.1)
   assert cost(2, np.array([True, True])) == pytest.approx(
