@@ -7,13 +7,21 @@ the engine's jitted step with that proposal, and reads back only what the step c
 With `fallback` (an engine over the same state that verifies nothing, i.e. plain AR), a
 drafter that stops paying stops costing a host round trip per token: after `patience`
 steps in a row that accepted no draft (empty proposals or rejected ones) the loop runs AR
-chunks on device (`chunk` steps, doubling up to `max_chunk` until a draft is accepted
-again) and asks the drafter after each one, trying a proposal it makes with one step.
+chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk read back is
+judged in retrospect on the host while the device runs the next one: the drafter's
+proposal at every committed length is walked against what AR committed, as verify steps
+would have taken it (for a point-mass draft, AR sampling the draft token has the
+acceptance probability). Speculation resumes after that next chunk when the walk's tokens
+per step beat the cost of a speculative step in AR steps: `step_cost`, or else the
+cheapest speculative step over the cheapest AR token timed so far in this loop (minima:
+the first call of a generation may include compiling).
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,34 +48,76 @@ def _read_back(state, sequences, num, width):
   return new_num, done
 
 
+def judge_in_retrospect(host_drafter, sequences, since_B) -> tuple:
+  """(steps_B, tokens_B) verify steps would have taken over each row's tokens after
+  since_B: from length since_b, the drafter proposes on the sequence so far, the step
+  commits the proposal's prefix matching what was committed plus one token, and so on to
+  the end. `propose` sees each row's sequence grow monotonically, as in decoding."""
+  views = [seq[:n] for seq, n in zip(sequences, since_B)]
+  ends_B = np.array([len(seq) for seq in sequences])
+  steps_B = np.zeros(len(sequences), np.int64)
+  tokens_B = np.zeros(len(sequences), np.int64)
+  while True:
+    at_B = np.array([len(v) for v in views])
+    live_B = at_B < ends_B
+    if not live_B.any():
+      return steps_B, tokens_B
+    draft_BG, num_B = host_drafter.propose(views, live_B)
+    for b in np.flatnonzero(live_B):
+      seq, at = sequences[b], at_B[b]
+      draft = np.asarray(draft_BG[b, :num_B[b]]).tolist()
+      matched = 0
+      while matched < len(draft) and at + matched < ends_B[b] and \
+          draft[matched] == seq[at + matched]:
+        matched += 1
+      taken = min(matched + 1, ends_B[b] - at)
+      views[b].extend(seq[at:at + taken])
+      steps_B[b] += 1
+      tokens_B[b] += taken
+
+
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
                        fallback=None, patience: int = 2, chunk: int = 8,
-                       max_chunk: int = 128, started: bool = False):
+                       max_chunk: int = 128, step_cost: Optional[float] = None,
+                       started: bool = False):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
-  (with `fallback`, AR chunks while it stops paying; module docstring). `started`: its
-  `start` already saw the prompts (the runner calls it while the device prefills)."""
+  (with `fallback`, AR chunks while it stops paying; module docstring). `step_cost`: a
+  speculative step's cost in AR steps (None: timed). `started`: its `start` already saw
+  the prompts (the runner calls it while the device prefills)."""
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
   if not started:
     host_drafter.start(sequences)
-  unpaid, ar_chunk, tried = 0, chunk, False
+  unpaid, ar_chunk = 0, chunk
+  step_s, ar_token_s = np.inf, np.inf   # cheapest timings so far
+  unjudged = None   # the AR chunk read back last: (since_B), judged while the next one runs
   while not done.all():
-    tokens_BG, num_B = host_drafter.propose(sequences, ~done)
-    proposed = np.any(np.asarray(num_B)[~done])
-    if fallback is not None and unpaid >= patience and (tried or not proposed):
-      # Read back at most what AR committed: ar_chunk tokens per row.
+    t0 = time.perf_counter()
+    if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
+      would_pay = False
+      if unjudged is not None:   # on the host while the device runs this chunk
+        steps_B, tokens_B = judge_in_retrospect(host_drafter, sequences, unjudged)
+        would_take = tokens_B.sum() / max(steps_B.sum(), 1)
+        cost = step_cost if step_cost is not None else \
+            step_s / ar_token_s if np.isfinite(step_s) else 1.0
+        would_pay = would_take > max(cost, 1)
+      # Read back at most what AR committed: ar_chunk tokens per row.
+      unjudged = num
       num, done = _read_back(state, sequences, num, ar_chunk)
-      ar_chunk, tried = min(2 * ar_chunk, max_chunk), False
+      ar_token_s = min(ar_token_s, (time.perf_counter() - t0) / max(np.max(num - unjudged), 1))
+      if would_pay:
+        unpaid, ar_chunk, unjudged = 0, chunk, None
+      else:
+        ar_chunk = min(2 * ar_chunk, max_chunk)
       continue
+    tokens_BG, num_B = host_drafter.propose(sequences, ~done)
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
                                        np.asarray(num_B, np.int32)))
     state = engine.step(target_params, drafter_params, state, proposal)
     before = num
     num, done = _read_back(state, sequences, num, engine.num_draft + 1)
-    if np.any(num - before > 1):   # a draft was accepted: speculation pays again
-      unpaid, ar_chunk, tried = 0, chunk, False
-    else:
-      unpaid, tried = unpaid + 1, True
+    step_s = min(step_s, time.perf_counter() - t0)
+    unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
   host_drafter.finish(sequences)
   return state

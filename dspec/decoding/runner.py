@@ -109,28 +109,57 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   return state, t1 - t0, time.perf_counter() - t1
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """What one timed generation runs: an engine, its params and, for host drafters, the
+  host drafter factory and the AR fallback (`run_generation`)."""
+
+  engine: object
+  target_params: object
+  drafter_params: object = None
+  host_factory: Optional[Callable] = None
+  host_fallback: object = None
+
+
+def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B,
+                      settings: Settings) -> list:
+  """For each generation a warm-up (compile) run, then `timing_repeats` rounds that run
+  every generation once in turn (interleaved, so the machine's drift falls on all alike);
+  each result reports the medians of its timed runs. With `timing_repeats` 0 the single
+  run is the result (its time includes compilation)."""
+  runs = [[] for _ in generations]
+  first_s = [0.0] * len(generations)
+  for r in range(1 + settings.timing_repeats):
+    for i, g in enumerate(generations):
+      t = time.perf_counter()
+      runs[i].append(run_generation(g.engine, g.target_params, g.drafter_params, prompt_BP,
+                                    prompt_len_B, settings, g.host_factory,
+                                    g.host_fallback))
+      if r == 0:
+        first_s[i] = time.perf_counter() - t
+  results = []
+  for gen_runs, first in zip(runs, first_s):
+    timed = gen_runs[1:] or gen_runs
+    state = timed[-1][0]
+    prefill_s = statistics.median(r[1] for r in timed)
+    decode_s = statistics.median(r[2] for r in timed)
+    num_tokens_B, lens_B = jax.device_get((state.num_tokens_B, state.prompt_len_B))
+    new_tokens = int(np.sum(num_tokens_B - lens_B))
+    results.append({
+        'state': state, 'decode_s': decode_s, 'prefill_s': prefill_s,
+        'compile_s': max(0.0, first - decode_s - prefill_s) if settings.timing_repeats
+        else 0.0,
+        'new_tokens': new_tokens, 'tokens_per_s': new_tokens / max(decode_s, 1e-9)})
+  return results
+
+
 def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
                      settings: Settings, host_factory: Optional[Callable] = None,
                      host_fallback=None) -> dict:
-  """A warm-up (compile) run, then `timing_repeats` runs whose medians are reported; with
-  `timing_repeats` 0 the single run is the result (its time includes compilation)."""
-  runs = []
-  t = time.perf_counter()
-  for _ in range(1 + settings.timing_repeats):
-    runs.append(run_generation(engine, target_params, drafter_params, prompt_BP,
-                               prompt_len_B, settings, host_factory, host_fallback))
-  first_s = time.perf_counter() - t if not settings.timing_repeats else \
-      runs[0][1] + runs[0][2]
-  timed = runs[1:] or runs
-  state = timed[-1][0]
-  prefill_s = statistics.median(r[1] for r in timed)
-  decode_s = statistics.median(r[2] for r in timed)
-  num_tokens_B, prompt_len_B = jax.device_get((state.num_tokens_B, state.prompt_len_B))
-  new_tokens = int(np.sum(num_tokens_B - prompt_len_B))
-  return {'state': state, 'decode_s': decode_s, 'prefill_s': prefill_s,
-          'compile_s': max(0.0, first_s - decode_s - prefill_s) if settings.timing_repeats
-          else 0.0,
-          'new_tokens': new_tokens, 'tokens_per_s': new_tokens / max(decode_s, 1e-9)}
+  """`timed_generations` of one generation."""
+  return timed_generations([Generation(engine, target_params, drafter_params, host_factory,
+                                       host_fallback)], prompt_BP, prompt_len_B,
+                           settings)[0]
 
 
 def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
@@ -182,9 +211,10 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
   batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
-  `compare_ar`, AR runs first on the same prompts and the report gets `speedup` (AR decode
-  time / this decode time) and `lossless` (greedy: outputs equal AR's). verify_length:
-  see `speculative_engine` (a mesh `placement` runs 'fixed'). debug: generation runs under
+  `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
+  the report gets `speedup` (AR decode time / this decode time) and `lossless` (greedy:
+  outputs equal AR's). verify_length: see `speculative_engine` (a mesh `placement` runs
+  'fixed'). debug: generation runs under
   `jax.transfer_guard('disallow')`, so an implicit host/device transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
@@ -200,17 +230,6 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
   if placement:
     drafter_params = placement.put_params(drafter_params)
-
-  ar = None
-  if compare_ar:
-    progress('AR baseline')
-    ar_engine = wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids))
-    with _transfer_guard(debug):
-      ar = timed_generation(ar_engine, target_params, None, prompt_BP, prompt_len_B,
-                            settings)
-  progress('decoding' if not settings.timing_repeats else
-           f'decoding (warm-up + {settings.timing_repeats} timed runs)')
-  if placement:
     engine = ShardedEngine(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
                                              stop_ids=stop_ids, trace=trace), placement)
   else:
@@ -220,9 +239,16 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
     fallback = engine.with_drafter(drafter_lib.TruncatedDrafter(drafter, 0))
+  generations = [Generation(engine, target_params, drafter_params, host_factory, fallback)]
+  if compare_ar:   # AR first in every round
+    generations.insert(0, Generation(
+        wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params))
+  progress(('decoding' if not settings.timing_repeats else
+            f'decoding (warm-up + {settings.timing_repeats} timed runs)') +
+           (', AR interleaved' if compare_ar else ''))
   with _transfer_guard(debug):
-    run = timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                           settings, host_factory, fallback)
+    *ar, run = timed_generations(generations, prompt_BP, prompt_len_B, settings)
+  ar = ar[0] if ar else None
   state = run['state']
   ids = generated_ids(state)[:len(rows)]
   metrics = acceptance_metrics(state.stats)

@@ -16,11 +16,11 @@ from dspec.decoding.prompts import generated_ids
 
 def _all_counts(tree):
   """{path: count} for every node below the root."""
-  out, stack = {}, [((), tree.root)]
+  out, stack = {}, [((), tree.ROOT)]
   while stack:
     path, node = stack.pop()
-    for token, child in node.children.items():
-      out[path + (token,)] = child.count
+    for token, child in tree.children(node).items():
+      out[path + (token,)] = tree.count(path + (token,))
       stack.append((path + (token,), child))
   return out
 
@@ -42,7 +42,7 @@ def test_trie_counts_match_brute_force():
   for i, seq in enumerate(seqs):
     tree.extend(i, seq)
   assert _all_counts(tree) == _brute_counts(seqs, 5)
-  assert tree.root.count == sum(len(s) for s in seqs)
+  assert tree.count([]) == sum(len(s) for s in seqs)
 
   small = SuffixTree(max_depth=3)
   small.extend(0, [1, 2, 3, 1, 2, 4])
@@ -58,8 +58,12 @@ def test_remove_undoes_a_sequence():
   tree.extend(1, drop)
   tree.remove(1)
   assert _all_counts(tree) == _brute_counts([keep], 6)
+  assert tree.num_nodes == 1 + len(_brute_counts([keep], 6))   # emptied nodes released
+  tree.extend(2, drop)   # reuses the released nodes
+  assert _all_counts(tree) == _brute_counts([keep, drop], 6)
+  tree.remove(2)
   tree.remove(0)
-  assert tree.root.count == 0 and not tree.root.children
+  assert tree.count([]) == 0 and not tree.children(tree.ROOT)
 
 
 def test_speculate_continues_a_repeating_context():
@@ -196,51 +200,71 @@ class _SilentHostDrafter:
 
   def propose(self, sequences, live):
     self.calls += 1
-    assert sequences == self.sequences   # the loop keeps the host copy in sync
+    # The loop keeps the host copy in sync; judging in retrospect passes prefixes of it.
+    assert all(s == full[:len(s)] for s, full in zip(sequences, self.sequences))
     return np.zeros((len(sequences), 4), np.int32), np.zeros((len(sequences),), np.int32)
 
   def finish(self, sequences):
     pass
 
 
+class _Counting:
+  """Forwards to an engine, counting `step` and `run` calls (device round trips)."""
+
+  def __init__(self, engine):
+    self.engine, self.num_draft, self.calls = engine, engine.num_draft, 0
+
+  def step(self, *args):
+    self.calls += 1
+    return self.engine.step(*args)
+
+  def run(self, *args):
+    self.calls += 1
+    return self.engine.run(*args)
+
+
 def _host_loop_with_fallback(tiny_split, make_host):
-  """(AR's generated ids, final state, host drafter) of the host loop with an AR fallback
-  (patience 2, chunks from 4), 60 new tokens; `make_host(ar_ids)` builds the drafter."""
+  """(AR's generated ids, final state, host drafter, speculative steps, AR chunks) of the
+  host loop with an AR fallback (patience 2, chunks from 4, a speculative step priced at
+  two AR steps), 60 new tokens; `make_host(ar_ids)` builds the drafter."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
   expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
                                                                 lens, max_new_tokens=60)))
   engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
-  fallback = engine.with_drafter(TruncatedDrafter(engine.drafter, 0))
+  fallback = _Counting(engine.with_drafter(TruncatedDrafter(engine.drafter, 0)))
   host = make_host(expected)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
-  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
-                             patience=2, chunk=4)
-  return expected, state, host
+  counted = _Counting(engine)
+  state = generate_host_loop(counted, params, None, state, host, fallback=fallback,
+                             patience=2, chunk=4, step_cost=2.0)
+  assert generated_ids(state) == expected
+  return state, host, counted.calls, fallback.calls
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
-  expected, state, host = _host_loop_with_fallback(tiny_split,
-                                                   lambda _: _SilentHostDrafter())
-  assert generated_ids(state) == expected
-  assert host.calls < 12, f'{host.calls} host round trips for 59 tokens'
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
+  # Two unpaid steps, then AR chunks of 4, 8, 16, 32 tokens (59 to go), never a try.
+  assert (steps, chunks) == (2, 4)
 
 
-class _RejectedHostDrafter(_SilentHostDrafter):
-  """Always proposes, a first draft the target never takes (the AR token + 1)."""
+class _HostDrafterFrom(_SilentHostDrafter):
+  """Drafts 4 tokens: the wrong ones (AR's token + 1) before generated token
+  `right_from`, AR's own continuation from there on."""
 
-  def __init__(self, expected):
+  def __init__(self, expected, right_from):
     super().__init__()
-    self.expected = expected
+    self.expected, self.right_from = expected, right_from
 
   def propose(self, sequences, live):
     self.calls += 1
     tokens = np.zeros((len(sequences), 4), np.int32)
     for b, seq in enumerate(sequences):
       done = len(seq) - len(self.sequences[b])
-      if live[b] and done < len(self.expected[b]):
-        tokens[b] = self.expected[b][done] + 1
+      ahead = list(self.expected[b][done:done + 4])
+      if live[b] and ahead:
+        tokens[b, :len(ahead)] = ahead if done >= self.right_from else [t + 1 for t in ahead]
     return tokens, np.full((len(sequences),), 4, np.int32) * live
 
   def start(self, sequences):
@@ -248,11 +272,24 @@ class _RejectedHostDrafter(_SilentHostDrafter):
 
 
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
-  """Proposals that never pay count like empty ones: AR chunks, one try after each."""
+  """Proposals that never pay count like empty ones, and judged in retrospect after each
+  AR chunk they never win speculation back."""
   # The host copy starts after the prefill's token; drafts target the tokens after it.
-  expected, state, host = _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _RejectedHostDrafter([e[1:] for e in ar_ids]))
-  assert generated_ids(state) == expected
+  state, host, steps, chunks = _host_loop_with_fallback(
+      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99))
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
-  assert host.calls < 14, f'{host.calls} host round trips for 59 tokens'
+  assert (steps, chunks) == (2, 4)
+  # Asked for two steps, then judged on the host at every length the chunks of 4, 8 and
+  # 16 committed (the last chunk ends the generation unjudged).
+  assert host.calls == 2 + 4 + 8 + 16
 
+
+def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
+  """Wrong drafts before token 6, right ones from there: two unpaid steps (tokens 0, 1),
+  AR chunks of 4 (tokens 2-5, judged while the next runs: 1 token per step), 8 (tokens
+  6-13, judged: 8 tokens in 2 steps, over the step's price of 2) and 16 (run while the
+  8 were judged), then speculation again, drafts taken."""
+  state, _, steps, chunks = _host_loop_with_fallback(
+      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=6))
+  assert chunks == 3
+  assert steps > 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
