@@ -191,6 +191,7 @@ def main(argv):
   from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
   from dspec.decoding.drafters import registry
   from dspec.decoding.engine import SpeculativeEngine
+  from dspec.decoding.host_loop import ARFallback
   from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
   from dspec.metrics import acceptance_metrics
 
@@ -225,8 +226,7 @@ def main(argv):
     gamma, auto = drafter.num_draft, f'{name} controller'
     if host:   # the host loop, AR chunks while the drafter proposes nothing
       e = engine(drafter)
-      methods[auto] = (e, dparams, True, e.with_drafter(drafter_lib.TruncatedDrafter(
-          drafter, 0)))
+      methods[auto] = (e, dparams, True, ARFallback.of(e))
     else:
       tiers_of[name] = tuple(sorted({g for g in tier_flag if g < gamma} | {gamma, 0}))
       path = _COSTS.value and _COSTS.value.replace('{drafter}', name)

@@ -76,6 +76,7 @@ from dspec.decoding import runner
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.host_loop import ARFallback
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
 from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
 _STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B',
@@ -135,12 +136,13 @@ class RunResult:
       self.tier_steps[int(g)] = self.tier_steps.get(int(g), 0) + int(n)
 
 
-class CountingFallback:
-  """The host loop's AR fallback engine, counting the row-steps it runs. The counts stay on
+class CountingFallback(ARFallback):
+  """The host loop's AR fallback, counting the row-steps it runs. The counts stay on
   device until `steps()` (after the generation): no extra host sync inside the loop."""
 
   def __init__(self, engine: SpeculativeEngine):
-    self.engine, self.marks = engine, []
+    super().__init__(engine)
+    self.marks = []
 
   def run(self, target_params, drafter_params, state, max_steps=None, **kw):
     before = jnp.sum(state.stats.steps_B)   # read before `run` donates the state
@@ -363,8 +365,7 @@ class Benchmark:
                                          verify_length=verify_length or 'fixed')
       fallback = None
       if verify_length == 'auto' and drafter_lib.host_drafter_factory(drafter):
-        fallback = CountingFallback(engine.with_drafter(drafter_lib.TruncatedDrafter(drafter,
-                                                                                     0)))
+        fallback = CountingFallback.of(engine)
       self.engines[key, verify_length, spec] = Engines(engine, verify_length, fallback)
     return self.engines[key, verify_length, spec]
 

@@ -4,22 +4,25 @@ Each iteration lets the host drafter propose from its copy of the committed toke
 the engine's jitted step with that proposal, and reads back only what the step committed
 (at most γ + 1 tokens per row, plus the counters), never the whole token buffer.
 
-With `fallback` (an engine over the same state that verifies nothing, i.e. plain AR), a
-drafter that stops paying stops costing a host round trip per token: after `patience`
-steps in a row that accepted no draft (empty proposals or rejected ones) the loop runs AR
-chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk read back is
-judged in retrospect on the host while the device runs the next one: the drafter's
-proposal at every committed length is walked against what AR committed, as verify steps
-would have taken it (for a point-mass draft, AR sampling the draft token has the
-acceptance probability). Speculation resumes after that next chunk when the walk's tokens
-per step beat the cost of a speculative step in AR steps: `step_cost`, or else the
-cheapest speculative step over the cheapest AR token timed so far in this loop (minima:
-the first call of a generation may include compiling).
+With `fallback` (an `ARFallback`: an engine over the same state that verifies nothing,
+i.e. plain AR), a drafter that stops paying stops costing a host round trip per token:
+after `patience` steps in a row that accepted no draft (empty proposals or rejected ones)
+the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk read back is
+judged in retrospect on the host, with no device work: the drafter's proposal at every
+committed length is walked against what AR committed, as verify steps would have taken
+it (for a point-mass draft, AR sampling the draft token has the acceptance probability).
+Speculation resumes when the walk's tokens per step beat the cost of a speculative step
+in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
+steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
+warm-up run prices the next runs). A walk that took some drafts, but too few, earns one
+speculative step now (a paying stretch may be starting); one that took none, no step.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import statistics
 import time
 from typing import Optional
 
@@ -27,8 +30,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal
+
+
+class ARFallback:
+  """The host loop's plain-AR engine (`engine` verifying nothing) and the loop's recent
+  wall times (a speculative step; an AR token), kept across generations."""
+
+  def __init__(self, engine, window: int = 64):
+    self.engine = engine
+    self.step_s = collections.deque(maxlen=window)
+    self.ar_token_s = collections.deque(maxlen=window)
+
+  @classmethod
+  def of(cls, engine) -> 'ARFallback':
+    """The fallback of a speculative engine: the same engine drafting nothing."""
+    return cls(engine.with_drafter(TruncatedDrafter(engine.drafter, 0)))
+
+  def run(self, *args, **kwargs):
+    return self.engine.run(*args, **kwargs)
+
+  def step_cost(self) -> float:
+    """A speculative step's cost in AR tokens (medians; 1.0 until both were timed)."""
+    if not self.step_s or not self.ar_token_s:
+      return 1.0
+    return statistics.median(self.step_s) / statistics.median(self.ar_token_s)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -82,34 +110,30 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
                        started: bool = False):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
   (with `fallback`, AR chunks while it stops paying; module docstring). `step_cost`: a
-  speculative step's cost in AR steps (None: timed). `started`: its `start` already saw
-  the prompts (the runner calls it while the device prefills)."""
+  speculative step's cost in AR steps (None: `fallback.step_cost()`). `started`: its
+  `start` already saw the prompts (the runner calls it while the device prefills)."""
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
   if not started:
     host_drafter.start(sequences)
   unpaid, ar_chunk = 0, chunk
-  step_s, ar_token_s = np.inf, np.inf   # cheapest timings so far
-  unjudged = None   # the AR chunk read back last: (since_B), judged while the next one runs
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
-      would_pay = False
-      if unjudged is not None:   # on the host while the device runs this chunk
-        steps_B, tokens_B = judge_in_retrospect(host_drafter, sequences, unjudged)
-        would_take = tokens_B.sum() / max(steps_B.sum(), 1)
-        cost = step_cost if step_cost is not None else \
-            step_s / ar_token_s if np.isfinite(step_s) else 1.0
-        would_pay = would_take > max(cost, 1)
       # Read back at most what AR committed: ar_chunk tokens per row.
-      unjudged = num
+      before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
-      ar_token_s = min(ar_token_s, (time.perf_counter() - t0) / max(np.max(num - unjudged), 1))
-      if would_pay:
-        unpaid, ar_chunk, unjudged = 0, chunk, None
-      else:
-        ar_chunk = min(2 * ar_chunk, max_chunk)
+      fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
+      steps_B, tokens_B = judge_in_retrospect(host_drafter, sequences, before)
+      would_take = tokens_B.sum() / max(steps_B.sum(), 1)
+      cost = fallback.step_cost() if step_cost is None else step_cost
+      if would_take > max(cost, 1):
+        unpaid, ar_chunk = 0, chunk
+        continue
+      ar_chunk = min(2 * ar_chunk, max_chunk)
+      if would_take > 1:   # some drafts would have been taken: try one step now
+        unpaid = patience - 1
       continue
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
@@ -117,7 +141,8 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     state = engine.step(target_params, drafter_params, state, proposal)
     before = num
     num, done = _read_back(state, sequences, num, engine.num_draft + 1)
-    step_s = min(step_s, time.perf_counter() - t0)
+    if fallback is not None:
+      fallback.step_s.append(time.perf_counter() - t0)
     unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
   host_drafter.finish(sequences)
   return state

@@ -24,7 +24,7 @@ from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import generate_host_loop
+from dspec.decoding.host_loop import ARFallback, generate_host_loop
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
@@ -238,7 +238,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
-    fallback = engine.with_drafter(drafter_lib.TruncatedDrafter(drafter, 0))
+    fallback = ARFallback.of(engine)
   generations = [Generation(engine, target_params, drafter_params, host_factory, fallback)]
   if compare_ar:   # AR first in every round
     generations.insert(0, Generation(

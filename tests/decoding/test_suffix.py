@@ -8,9 +8,8 @@ import pytest
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
-from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import generate_host_loop
+from dspec.decoding.host_loop import ARFallback, generate_host_loop
 from dspec.decoding.prompts import generated_ids
 
 
@@ -208,8 +207,8 @@ class _SilentHostDrafter:
     pass
 
 
-class _Counting:
-  """Forwards to an engine, counting `step` and `run` calls (device round trips)."""
+class _CountingSteps:
+  """Forwards `step` to an engine, counting the calls (device round trips)."""
 
   def __init__(self, engine):
     self.engine, self.num_draft, self.calls = engine, engine.num_draft, 0
@@ -218,27 +217,33 @@ class _Counting:
     self.calls += 1
     return self.engine.step(*args)
 
+
+class _CountingChunks(ARFallback):
+  """An AR fallback counting its `run` calls (AR chunks)."""
+
+  calls = 0
+
   def run(self, *args):
     self.calls += 1
-    return self.engine.run(*args)
+    return super().run(*args)
 
 
-def _host_loop_with_fallback(tiny_split, make_host):
-  """(AR's generated ids, final state, host drafter, speculative steps, AR chunks) of the
-  host loop with an AR fallback (patience 2, chunks from 4, a speculative step priced at
-  two AR steps), 60 new tokens; `make_host(ar_ids)` builds the drafter."""
+def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0):
+  """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
+  fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
+  60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
   expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
                                                                 lens, max_new_tokens=60)))
   engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
-  fallback = _Counting(engine.with_drafter(TruncatedDrafter(engine.drafter, 0)))
+  fallback = _CountingChunks.of(engine)
   host = make_host(expected)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
-  counted = _Counting(engine)
+  counted = _CountingSteps(engine)
   state = generate_host_loop(counted, params, None, state, host, fallback=fallback,
-                             patience=2, chunk=4, step_cost=2.0)
+                             patience=2, chunk=4, step_cost=step_cost)
   assert generated_ids(state) == expected
   return state, host, counted.calls, fallback.calls
 
@@ -250,12 +255,12 @@ def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split
 
 
 class _HostDrafterFrom(_SilentHostDrafter):
-  """Drafts 4 tokens: the wrong ones (AR's token + 1) before generated token
-  `right_from`, AR's own continuation from there on."""
+  """Drafts 4 tokens: AR's own continuation from generated token `right_from` until
+  `right_until`, the wrong ones (AR's token + 1) elsewhere."""
 
-  def __init__(self, expected, right_from):
+  def __init__(self, expected, right_from, right_until=99):
     super().__init__()
-    self.expected, self.right_from = expected, right_from
+    self.expected, self.right = expected, range(right_from, right_until)
 
   def propose(self, sequences, live):
     self.calls += 1
@@ -264,7 +269,7 @@ class _HostDrafterFrom(_SilentHostDrafter):
       done = len(seq) - len(self.sequences[b])
       ahead = list(self.expected[b][done:done + 4])
       if live[b] and ahead:
-        tokens[b, :len(ahead)] = ahead if done >= self.right_from else [t + 1 for t in ahead]
+        tokens[b, :len(ahead)] = ahead if done in self.right else [t + 1 for t in ahead]
     return tokens, np.full((len(sequences),), 4, np.int32) * live
 
   def start(self, sequences):
@@ -279,17 +284,19 @@ def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
       tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99))
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
   assert (steps, chunks) == (2, 4)
-  # Asked for two steps, then judged on the host at every length the chunks of 4, 8 and
-  # 16 committed (the last chunk ends the generation unjudged).
-  assert host.calls == 2 + 4 + 8 + 16
+  # Asked for two steps, then judged on the host at every length the four AR chunks
+  # committed: 57 (60 new tokens, less the prefill's and the two steps').
+  assert host.calls == 2 + 57
 
 
 def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
-  """Wrong drafts before token 6, right ones from there: two unpaid steps (tokens 0, 1),
-  AR chunks of 4 (tokens 2-5, judged while the next runs: 1 token per step), 8 (tokens
-  6-13, judged: 8 tokens in 2 steps, over the step's price of 2) and 16 (run while the
-  8 were judged), then speculation again, drafts taken."""
-  state, _, steps, chunks = _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=6))
-  assert chunks == 3
-  assert steps > 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
+  """Right drafts from token 6 to 29, wrong ones elsewhere: two unpaid steps (tokens 0,
+  1), AR chunks of 4 (tokens 2-5, judged: 1 token per step) and 8 (6-13, judged: 8 tokens
+  in 2 steps, over the step's price of 2), then four steps (14-33), two unpaid ones and
+  AR chunks again from 4: 4, 8, 16. Priced at 100 AR steps, the walk over the 8 earns one
+  step instead, which pays, and the chunks after it go on doubling: 16, 32."""
+  make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 6, 30)
+  for step_cost, expected_chunks in ((2.0, 5), (100.0, 4)):
+    state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost)
+    assert chunks == expected_chunks
+    assert steps == 2 + 4 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
