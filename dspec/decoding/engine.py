@@ -176,7 +176,12 @@ class SpeculativeEngine:
       proposal = self.drafter.propose(drafter_params, dstate, target, ctx, key_draft)
     g = proposal.tokens_BG.shape[1]
     remaining_B = state.max_new_tokens - state.generated_B()
-    num_proposed_B = jnp.clip(jnp.minimum(proposal.num_proposed_B, remaining_B), 0, g)
+    # A draft id outside the vocabulary ends the proposal there (and is never embedded:
+    # an out-of-range embedding lookup is NaN, which would poison the KV cache).
+    in_vocab_BG = (proposal.tokens_BG >= 0) & (proposal.tokens_BG < target.cfg.vocab_size)
+    proposal = proposal._replace(tokens_BG=jnp.where(in_vocab_BG, proposal.tokens_BG, 0))
+    num_proposed_B = jnp.minimum(proposal.num_proposed_B, remaining_B)
+    num_proposed_B = jnp.clip(num_proposed_B, 0, _first_false(in_vocab_BG))
 
     # Verify [anchor, d1..dγ] at positions start..start+γ in one target forward.
     anchor_B = state.tokens_BL[rows, state.num_tokens_B - 1]
@@ -238,7 +243,7 @@ class SpeculativeEngine:
              force_wide=False, *, until_row_done: bool = False) -> DecodeState:
     """Steps until every row is done or `max_steps` steps ran; with `until_row_done` also
     until some row that was live at the start has finished. `force_wide`: see `step_fn`."""
-    stop = state.step + max_steps
+    stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)   # saturating
     done_at_start_B = state.done_B
 
     def go_on(st):
@@ -277,6 +282,12 @@ class SpeculativeEngine:
 
   def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
     return _programs(self)['step'](target_params, drafter_params, state, proposal)
+
+
+def _first_false(mask_BG):
+  """Index of each row's first False in mask_BG [B, G] (G when all are True)."""
+  g = mask_BG.shape[1]
+  return jnp.min(jnp.where(mask_BG, g, jnp.arange(g)[None, :]), axis=1, initial=g)
 
 
 def _once_if(pred, fn, carry):

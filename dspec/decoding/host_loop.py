@@ -11,11 +11,14 @@ the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). E
 judged in retrospect on the host, with no device work: the drafter's proposal at every
 committed length is walked against what AR committed, as verify steps would have taken
 it (for a point-mass draft, AR sampling the draft token has the acceptance probability).
+Once a walk took no draft at all, the next chunks are judged while the device runs the
+chunk after them (their verdict acts a chunk late, the host work is hidden).
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
 warm-up run prices the next runs). A walk that took some drafts, but too few, earns one
 speculative step now (a paying stretch may be starting); one that took none, no step.
+The prompts are judged so before the first step (`start_host_drafter`).
 """
 
 from __future__ import annotations
@@ -104,37 +107,66 @@ def judge_in_retrospect(host_drafter, sequences, since_B) -> tuple:
       tokens_B[b] += taken
 
 
+def start_host_drafter(host_drafter, prompts, judge: bool):
+  """`host_drafter.start(prompts)`; with `judge`, its state is then built token by token
+  while its proposals are judged in retrospect over each prompt from the first token
+  (`judge_in_retrospect`), and that walk's (steps_B, tokens_B) returned, else None."""
+  host_drafter.start(prompts)
+  if judge:
+    return judge_in_retrospect(host_drafter, prompts, [min(1, len(p)) for p in prompts])
+  return None
+
+
+def _unpaid_after(steps_B, tokens_B, cost: float, patience: int) -> int:
+  """The loop's count of unpaid steps after judging a walk: 0 (speculate) when its tokens
+  per step beat `cost`, patience - 1 (one try) when it took some drafts, else patience."""
+  would_take = tokens_B.sum() / max(steps_B.sum(), 1)
+  if would_take > max(cost, 1):
+    return 0
+  return patience - 1 if would_take > 1 else patience
+
+
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
                        fallback=None, patience: int = 2, chunk: int = 8,
                        max_chunk: int = 128, step_cost: Optional[float] = None,
-                       started: bool = False):
+                       started: bool = False, prompt_walk: Optional[tuple] = None):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
   (with `fallback`, AR chunks while it stops paying; module docstring). `step_cost`: a
   speculative step's cost in AR steps (None: `fallback.step_cost()`). `started`: its
-  `start` already saw the prompts (the runner calls it while the device prefills)."""
+  `start` already saw the prompts (the runner calls it while the device prefills), and
+  `prompt_walk` is what judging them returned (`start_host_drafter`)."""
   tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
   sequences = row_tokens(tokens, num)
   if not started:
-    host_drafter.start(sequences)
+    prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
+  verdict = lambda since_B: _unpaid_after(
+      *judge_in_retrospect(host_drafter, sequences, since_B),
+      fallback.step_cost() if step_cost is None else step_cost, patience)
   unpaid, ar_chunk = 0, chunk
+  if fallback is not None and prompt_walk is not None:
+    unpaid = _unpaid_after(*prompt_walk, fallback.step_cost() if step_cost is None
+                           else step_cost, patience)
+  quiet = unpaid >= patience   # the last walk judged took no draft
+  unjudged = None              # since_B of the AR chunk judged while the next one runs
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
+      lagging = unjudged is not None
+      if lagging:   # on the host while the device runs this chunk
+        unpaid, unjudged = verdict(unjudged), None
       # Read back at most what AR committed: ar_chunk tokens per row.
       before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
-      steps_B, tokens_B = judge_in_retrospect(host_drafter, sequences, before)
-      would_take = tokens_B.sum() / max(steps_B.sum(), 1)
-      cost = fallback.step_cost() if step_cost is None else step_cost
-      if would_take > max(cost, 1):
-        unpaid, ar_chunk = 0, chunk
-        continue
-      ar_chunk = min(2 * ar_chunk, max_chunk)
-      if would_take > 1:   # some drafts would have been taken: try one step now
-        unpaid = patience - 1
+      if not lagging and not quiet:
+        unpaid = verdict(before)
+      elif unpaid >= patience:
+        unjudged = before
+      quiet = unpaid >= patience
+      ar_chunk = chunk if unpaid == 0 else min(2 * ar_chunk, max_chunk)
       continue
+    quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
                                        np.asarray(num_B, np.int32)))

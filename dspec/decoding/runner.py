@@ -24,7 +24,7 @@ from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import ARFallback, generate_host_loop
+from dspec.decoding.host_loop import ARFallback, generate_host_loop, start_host_drafter
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
@@ -97,14 +97,17 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed)
   host = None if host_factory is None else host_factory()
   if host is not None:
-    host.start(row_tokens(np.asarray(prompt_BP), np.asarray(prompt_len_B)))
+    prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
+                                                      np.asarray(prompt_len_B)),
+                                     judge=host_fallback is not None)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
   if host is None:
     state = engine.generate(target_params, drafter_params, state)
   else:
     state = generate_host_loop(engine, target_params, drafter_params, state, host,
-                               fallback=host_fallback, started=True)
+                               fallback=host_fallback, started=True,
+                               prompt_walk=prompt_walk)
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 

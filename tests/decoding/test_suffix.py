@@ -2,6 +2,7 @@
 
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,7 +11,8 @@ from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, Suff
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import ARFallback, generate_host_loop
-from dspec.decoding.prompts import generated_ids
+from dspec.decoding.prompts import generated_ids, row_tokens
+from dspec.decoding.state import Proposal
 
 
 def _all_counts(tree):
@@ -186,6 +188,27 @@ def test_suffix_decoding_is_lossless(tiny_split, prompts):
   assert sum(accepted[0]) > 0
 
 
+def test_out_of_vocabulary_drafts_end_the_proposal(tiny_split):
+  """A host proposal with ids outside the vocabulary (a buggy drafter) is cut at the first
+  of them: the output stays AR's (an out-of-range embedding would be NaN in the cache)."""
+  graphdef, params = tiny_split
+  vocab = 64
+  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
+  ar = SpeculativeEngine(graphdef)
+  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
+                                                                lens, max_new_tokens=12)))
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=12)
+  # Row 0 drafts AR's next token, then ids past the vocabulary; row 1 a negative id first.
+  tokens_BG = np.array([[expected[0][1], vocab, vocab + 7, 2], [-3, 1, 2, 3]], np.int32)
+  state = engine.step(params, None, state,
+                      Proposal(tokens_BG, np.array([4, 4], np.int32)))
+  assert np.asarray(state.stats.proposed_B).tolist() == [1, 0]
+  assert np.asarray(state.stats.accepted_B).tolist() == [1, 0]
+  state = engine.generate(params, None, state)
+  assert generated_ids(state) == expected
+
+
 class _SilentHostDrafter:
   """Proposes nothing, and counts how often it was asked."""
 
@@ -195,12 +218,16 @@ class _SilentHostDrafter:
     self.calls = 0
 
   def start(self, sequences):
-    self.sequences = sequences
+    self.sequences = [list(s) for s in sequences]
+    self.longest = [list(s) for s in sequences]
 
   def propose(self, sequences, live):
     self.calls += 1
-    # The loop keeps the host copy in sync; judging in retrospect passes prefixes of it.
-    assert all(s == full[:len(s)] for s, full in zip(sequences, self.sequences))
+    # Every row's tokens only grow (judging in retrospect passes prefixes of them).
+    for b, seq in enumerate(sequences):
+      short, long = sorted((seq, self.longest[b]), key=len)
+      assert long[:len(short)] == short
+      self.longest[b] = list(long)
     return np.zeros((len(sequences), 4), np.int32), np.zeros((len(sequences),), np.int32)
 
   def finish(self, sequences):
@@ -228,12 +255,15 @@ class _CountingChunks(ARFallback):
     return super().run(*args)
 
 
-def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0):
+def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
+                             judge_prompts=True):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
-  60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter."""
+  60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
+  `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
+  the loop starts speculating."""
   graphdef, params = tiny_split
-  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
+  prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
   expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
                                                                 lens, max_new_tokens=60)))
@@ -241,16 +271,32 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0):
   fallback = _CountingChunks.of(engine)
   host = make_host(expected)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
+  if not judge_prompts:
+    host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
   counted = _CountingSteps(engine)
   state = generate_host_loop(counted, params, None, state, host, fallback=fallback,
-                             patience=2, chunk=4, step_cost=step_cost)
+                             patience=2, chunk=4, step_cost=step_cost,
+                             started=not judge_prompts)
   assert generated_ids(state) == expected
   return state, host, counted.calls, fallback.calls
 
 
-def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
+def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
+  """A drafter that proposes nothing: AR chunks from the start (4 + 8 + 16 + 31 tokens),
+  not a step. Suffix decoding on a prompt that repeats: the walk over the prompt beats the
+  step's price, so the loop speculates at once."""
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
-  # Two unpaid steps, then AR chunks of 4, 8, 16, 32 tokens (59 to go), never a try.
+  assert (steps, chunks) == (0, 4)
+  suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
+  state, _, steps, _ = _host_loop_with_fallback(tiny_split, suffix,
+                                                prompts=[[3, 4, 5, 6] * 5, [7, 8, 9] * 6])
+  assert steps >= 1 and int(np.asarray(state.stats.proposed_B).min()) > 0
+
+
+def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter(),
+                                                 judge_prompts=False)
+  # Two unpaid steps, then AR chunks of 4, 8, 16, 32 tokens (57 to go), never a try.
   assert (steps, chunks) == (2, 4)
 
 
@@ -272,31 +318,32 @@ class _HostDrafterFrom(_SilentHostDrafter):
         tokens[b, :len(ahead)] = ahead if done in self.right else [t + 1 for t in ahead]
     return tokens, np.full((len(sequences),), 4, np.int32) * live
 
-  def start(self, sequences):
-    self.sequences = [list(s) for s in sequences]
-
 
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones, and judged in retrospect after each
   AR chunk they never win speculation back."""
   # The host copy starts after the prefill's token; drafts target the tokens after it.
   state, host, steps, chunks = _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99))
+      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99),
+      judge_prompts=False)
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
   assert (steps, chunks) == (2, 4)
-  # Asked for two steps, then judged on the host at every length the four AR chunks
-  # committed: 57 (60 new tokens, less the prefill's and the two steps').
-  assert host.calls == 2 + 57
+  # Asked for two steps, then judged on the host at every length the AR chunks of 4
+  # (right away), 8 and 16 (quiet: each while the next chunk ran) committed; the last
+  # chunk (31) ends the generation unjudged.
+  assert host.calls == 2 + 4 + 8 + 16
 
 
 def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
-  """Right drafts from token 6 to 29, wrong ones elsewhere: two unpaid steps (tokens 0,
-  1), AR chunks of 4 (tokens 2-5, judged: 1 token per step) and 8 (6-13, judged: 8 tokens
-  in 2 steps, over the step's price of 2), then four steps (14-33), two unpaid ones and
-  AR chunks again from 4: 4, 8, 16. Priced at 100 AR steps, the walk over the 8 earns one
-  step instead, which pays, and the chunks after it go on doubling: 16, 32."""
-  make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 6, 30)
+  """Right drafts from token 6 to 44, wrong ones elsewhere: two unpaid steps (tokens 0,
+  1); AR chunks of 4 (2-5, judged at once: 1 token per step, quiet), 8 (6-13) and 16
+  (14-29, run while the 8 are judged: 8 tokens in 2 steps, over the step's price of 2);
+  then three steps (30-44), two unpaid ones and AR chunks again from 4: 4, 8. Priced at
+  100 AR steps, the walk over the 8 earns one step instead, which pays, and the chunks go
+  on doubling: one of 32 ends it."""
+  make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 6, 45)
   for step_cost, expected_chunks in ((2.0, 5), (100.0, 4)):
-    state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost)
+    state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost,
+                                                       judge_prompts=False)
     assert chunks == expected_chunks
-    assert steps == 2 + 4 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
+    assert steps == 2 + 3 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0

@@ -291,7 +291,8 @@ class SuffixHostDrafter:
   def start(self, sequences: list) -> None:
     self.shared.begin_run(sequences)
     self._prompts = [list(s) for s in sequences]
-    self._requests = [self.shared.cache.start_request(s) for s in sequences]
+    # Empty tries: `propose` adds each row's tokens (the prompt too) as it sees them.
+    self._requests = [self.shared.cache.start_request([]) for _ in sequences]
 
   def propose(self, sequences: list, live: np.ndarray) -> tuple:
     tokens_BG = np.zeros((len(sequences), self.num_draft), np.int32)
