@@ -422,6 +422,9 @@ class VerifyLengthController:
     t0 = time.perf_counter()
     jax.block_until_ready([propose() for _ in range(self.config.profile_steps)])
     self.costs.propose[b] = (time.perf_counter() - t0) / self.config.profile_steps
+    # Compiled here, not in the first generation that runs plain AR to the end.
+    jax.block_until_ready(self._plain_ar.run(target_params, drafter_params,
+                                             jax.tree.map(lambda x: x.copy(), state), 1))
     best = {}
     for r in range(self.config.profile_repeats + 1):   # round 0 compiles; rounds
       for g in self.tiers:                             # interleave tiers against drift

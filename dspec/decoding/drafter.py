@@ -38,11 +38,15 @@ Contract:
                    whose proposal is a function of the committed tokens alone (n-gram);
                    the controller then judges them in retrospect at every length.
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
-proposal distribution for rejection sampling (None: deterministic drafts).
+proposal distribution for rejection sampling (None: deterministic drafts). A draft id
+outside the target's vocabulary ends the proposal at that slot.
 
 Drafters that propose on the host (suffix trees) subclass `HostProposing`: the host loop
 (`host_loop.py`) gets a fresh `HostDrafter` per generation from its factory and passes its
-proposals into the same jitted step.
+proposals into the same jitted step. Its `propose` must be a function of the sequences it
+is given, which only grow: the loop also calls it on each row's tokens one length at a
+time, to judge in retrospect what its proposals would have had taken (the prompt before
+the first step, each AR chunk after it).
 
 Adding a drafter:
   1. One file in `dspec/decoding/drafters/`: a frozen dataclass with a `num_draft` field
@@ -172,11 +176,13 @@ class HostDrafter(Protocol):
 
   def start(self, sequences: list) -> None:
     """Called once with each row's tokens so far: its prompt (the runner calls it while
-    the device prefills), or its prompt and the prefill's token; `propose` then passes
-    the growing sequences."""
+    the device prefills), or its prompt and the prefill's token. `propose` then passes
+    the growing sequences, from each row's first token when the loop judges the prompts
+    (state built from the sequences must be built by `propose`, not here)."""
 
   def propose(self, sequences: list, live: np.ndarray) -> tuple:
-    """Returns (tokens [B, γ] int32, num_proposed [B] int32) for the current sequences."""
+    """Returns (tokens [B, γ] int32, num_proposed [B] int32) for the current sequences
+    (each row's list only grows from call to call: the judging walks pass prefixes)."""
 
   def finish(self, sequences: list) -> None:
     """Called once with the final sequences (e.g. to grow a cross-request cache)."""

@@ -11,8 +11,9 @@ the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). E
 judged in retrospect on the host, with no device work: the drafter's proposal at every
 committed length is walked against what AR committed, as verify steps would have taken
 it (for a point-mass draft, AR sampling the draft token has the acceptance probability).
-Once a walk took no draft at all, the next chunks are judged while the device runs the
-chunk after them (their verdict acts a chunk late, the host work is hidden).
+Once a walk took no draft at all, the chunks grow 4× instead of 2× and are judged while
+the device runs the chunk after them (their verdict acts a chunk late, the host work is
+hidden): with ~1.5 ms per device call at B = 1 here, fewer calls is what AR parity needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
@@ -164,7 +165,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       elif unpaid >= patience:
         unjudged = before
       quiet = unpaid >= patience
-      ar_chunk = chunk if unpaid == 0 else min(2 * ar_chunk, max_chunk)
+      ar_chunk = chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
       continue
     quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
