@@ -7,10 +7,11 @@ the engine's jitted step with that proposal, and reads back only what the step c
 With `fallback` (an `ARFallback`: an engine over the same state that verifies nothing,
 i.e. plain AR), a drafter that stops paying stops costing a host round trip per token:
 after `patience` steps in a row that accepted no draft (empty proposals or rejected ones)
-the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk read back is
-judged in retrospect on the host, with no device work: the drafter's proposal at every
-committed length is walked against what AR committed, as verify steps would have taken
-it (for a point-mass draft, AR sampling the draft token has the acceptance probability).
+the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk
+read back is judged in retrospect on the host, with no device work: the drafter's
+proposal at every committed length is walked against what AR committed, as verify steps
+would have taken it (for a point-mass draft, AR sampling the draft token has the
+acceptance probability).
 Once a walk took no draft at all, the chunks grow 4× instead of 2× and are judged while
 the device runs the chunk after them (their verdict acts a chunk late, the host work is
 hidden): with ~1.5 ms per device call at B = 1 here, fewer calls is what AR parity needs.
