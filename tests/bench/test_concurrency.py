@@ -63,17 +63,16 @@ def _random_dflash(path):
 
 def test_sampled_run_with_a_learned_drafter(tmp_path):
   _random_dflash(tmp_path / 'dflash')
-  proc = _run(tmp_path, '--drafter=ngram,dflash', '--concurrency=1', '--gammas=3,7',
+  proc = _run(tmp_path, '--drafter=dflash', '--concurrency=1', '--gammas=3,7',
               f'--config.drafters.dflash.path={tmp_path / "dflash"}',
               '--config.temperature=1.0', '--config.top_p=0.9')
   assert proc.returncode == 0, proc.stderr[-2000:]
   out = json.loads((tmp_path / 'concurrency.json').read_text())
   assert out['temperature'] == 1.0 and out['top_p'] == 0.9
   # dflash γ=7 is past its trained block: the drafter's own check refuses it.
-  assert [r['method'] for r in out['rows']] == [
-      'ar', 'ngram γ=3', 'ngram γ=7', 'ngram controller', 'dflash γ=3', 'dflash controller']
+  assert [r['method'] for r in out['rows']] == ['ar', 'dflash γ=3', 'dflash controller']
   assert 'block' in out['skipped']['dflash γ=7'] or '3' in out['skipped']['dflash γ=7']
-  assert out['tiers'] == {'ngram': [0, 3], 'dflash': [0, 3]}
+  assert out['tiers'] == {'dflash': [0, 3]}
   assert all(r['lossless'] is None for r in out['rows'])
   assert 'not checked at T > 0' in (tmp_path / 'concurrency.md').read_text()
 
