@@ -141,13 +141,11 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   sequences = row_tokens(tokens, num)
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
-  verdict = lambda since_B: _unpaid_after(
-      *judge_in_retrospect(host_drafter, sequences, since_B),
-      fallback.step_cost() if step_cost is None else step_cost, patience)
+  verdict = lambda walk: _unpaid_after(
+      *walk, fallback.step_cost() if step_cost is None else step_cost, patience)
   unpaid, ar_chunk = 0, chunk
   if fallback is not None and prompt_walk is not None:
-    unpaid = _unpaid_after(*prompt_walk, fallback.step_cost() if step_cost is None
-                           else step_cost, patience)
+    unpaid = verdict(prompt_walk)
   quiet = unpaid >= patience   # the last walk judged took no draft
   unjudged = None              # since_B of the AR chunk judged while the next one runs
   while not done.all():
@@ -156,13 +154,14 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
       lagging = unjudged is not None
       if lagging:   # on the host while the device runs this chunk
-        unpaid, unjudged = verdict(unjudged), None
+        unpaid = verdict(judge_in_retrospect(host_drafter, sequences, unjudged))
+        unjudged = None
       # Read back at most what AR committed: ar_chunk tokens per row.
       before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
       if not lagging and not quiet:
-        unpaid = verdict(before)
+        unpaid = verdict(judge_in_retrospect(host_drafter, sequences, before))
       elif unpaid >= patience:
         unjudged = before
       quiet = unpaid >= patience
