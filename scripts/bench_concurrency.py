@@ -28,7 +28,6 @@ Goals, per drafter: controller ≥ 0.98× AR at every B; at B=1 within 5% of the
 import copy
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -183,7 +182,6 @@ def _markdown(rows, goals, skipped) -> str:
 def main(argv):
   del argv
   import jax
-  import numpy as np
   from flax import nnx
   from dspec import files, loading
   from dspec.decoding import drafter as drafter_lib
@@ -224,7 +222,7 @@ def main(argv):
       methods[f'{name} γ={g}'] = (engine(fixed), fparams, host, None)
       info[f'{name} γ={g}'] = {'drafter': name, 'verify_length': 'fixed', 'num_draft': g}
     gamma, auto = drafter.num_draft, f'{name} controller'
-    if host:   # the host loop, AR chunks while the drafter proposes nothing
+    if host:   # the host loop, AR chunks while the drafter stops paying
       e = engine(drafter)
       methods[auto] = (e, dparams, True, ARFallback.of(e))
     else:
@@ -247,24 +245,19 @@ def main(argv):
                  for m, (e, _, host, _) in methods.items() if host}
     # Warm-up (compile; the controllers profile), then timed rounds with the methods
     # interleaved so that load drift on a shared machine hits them alike.
-    states, times = {}, {}
-    for r in range(cfg.timing_repeats + 1):
-      for m, (e, dparams, _, fallback) in methods.items():
-        state, _, decode_s = runner.run_generation(e, params, dparams, prompt_BP, lens_B,
-                                                   settings, factories.get(m), fallback)
-        states[m] = state
-        if r or not cfg.timing_repeats:   # no timed rounds: the warm-up's time counts
-          times.setdefault(m, []).append(decode_s)
-    ar_ids = generated_ids(states['ar'])
+    timed = dict(zip(methods, runner.timed_generations(
+        [runner.Generation(e, params, dparams, factories.get(m), fallback)
+         for m, (e, dparams, _, fallback) in methods.items()], prompt_BP, lens_B, settings)))
+    ar_ids = generated_ids(timed['ar']['state'])
     block = []
     for m, (e, *_rest) in methods.items():
-      new_tokens = int(np.sum(np.asarray(states[m].num_tokens_B) - lens_B))
-      decode_s = statistics.median(times[m])
-      row = {'method': m, 'concurrency': b, **info[m], 'tokens_per_s': new_tokens / decode_s,
-             'decode_s': decode_s, 'decode_s_rounds': times[m], 'new_tokens': new_tokens,
-             **{k: acceptance_metrics(states[m].stats)[k]
+      t, state = timed[m], timed[m]['state']
+      row = {'method': m, 'concurrency': b, **info[m], 'tokens_per_s': t['tokens_per_s'],
+             'decode_s': t['decode_s'], 'decode_s_rounds': t['decode_s_rounds'],
+             'new_tokens': t['new_tokens'],
+             **{k: acceptance_metrics(state.stats)[k]
                 for k in ('tau', 'verified_per_committed')},
-             'lossless': generated_ids(states[m]) == ar_ids if spec.greedy else None}
+             'lossless': generated_ids(state) == ar_ids if spec.greedy else None}
       if isinstance(e, VerifyLengthController):
         row['tier_usage'] = {str(g): round(f, 3) for g, f in e.tier_usage().items()}
         row['step_costs_ms'] = {str(g): round(1e3 * e.costs[b, g], 3) for g in e.tiers}

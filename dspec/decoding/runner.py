@@ -128,28 +128,31 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
                       settings: Settings) -> list:
   """For each generation a warm-up (compile) run, then `timing_repeats` rounds that run
   every generation once in turn (interleaved, so the machine's drift falls on all alike);
-  each result reports the medians of its timed runs. With `timing_repeats` 0 the single
-  run is the result (its time includes compilation)."""
-  runs = [[] for _ in generations]
+  each result reports the medians of its timed runs (and every timed run's decode time,
+  `decode_s_rounds`) and the last run's state. With `timing_repeats` 0 the single run is
+  the result (its time includes compilation)."""
+  states = [None] * len(generations)
+  times = [[] for _ in generations]        # (prefill s, decode s) of each timed run
   first_s = [0.0] * len(generations)
   for r in range(1 + settings.timing_repeats):
     for i, g in enumerate(generations):
       t = time.perf_counter()
-      runs[i].append(run_generation(g.engine, g.target_params, g.drafter_params, prompt_BP,
-                                    prompt_len_B, settings, g.host_factory,
-                                    g.host_fallback))
+      states[i], prefill_s, decode_s = run_generation(
+          g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
+          g.host_factory, g.host_fallback)
       if r == 0:
         first_s[i] = time.perf_counter() - t
+      if r or not settings.timing_repeats:   # no timed rounds: the warm-up's time counts
+        times[i].append((prefill_s, decode_s))
   results = []
-  for gen_runs, first in zip(runs, first_s):
-    timed = gen_runs[1:] or gen_runs
-    state = timed[-1][0]
-    prefill_s = statistics.median(r[1] for r in timed)
-    decode_s = statistics.median(r[2] for r in timed)
+  for state, timed, first in zip(states, times, first_s):
+    prefill_s = statistics.median(p for p, _ in timed)
+    decode_s = statistics.median(d for _, d in timed)
     num_tokens_B, lens_B = jax.device_get((state.num_tokens_B, state.prompt_len_B))
     new_tokens = int(np.sum(num_tokens_B - lens_B))
     results.append({
         'state': state, 'decode_s': decode_s, 'prefill_s': prefill_s,
+        'decode_s_rounds': [d for _, d in timed],
         'compile_s': max(0.0, first - decode_s - prefill_s) if settings.timing_repeats
         else 0.0,
         'new_tokens': new_tokens, 'tokens_per_s': new_tokens / max(decode_s, 1e-9)})
@@ -217,8 +220,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
   the report gets `speedup` (AR decode time / this decode time) and `lossless` (greedy:
   outputs equal AR's). verify_length: see `speculative_engine` (a mesh `placement` runs
-  'fixed'). debug: generation runs under
-  `jax.transfer_guard('disallow')`, so an implicit host/device transfer is an error.
+  'fixed'). debug: generation runs under `jax.transfer_guard('disallow')`, so an implicit
+  host/device transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
   drafter = drafter or drafter_lib.NoDrafter()
