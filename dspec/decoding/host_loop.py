@@ -20,7 +20,8 @@ in AR steps: `step_cost`, or else the median wall time of the loop's recent spec
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
 warm-up run prices the next runs). A walk that took some drafts, but too few, earns one
 speculative step now (a paying stretch may be starting); one that took none, no step.
-The prompts are judged so before the first step (`start_host_drafter`).
+The prompts are judged so before the first step (`start_host_drafter`), but earn no try:
+the prompt is not the target's output, and the first AR chunk is judged right away.
 """
 
 from __future__ import annotations
@@ -143,10 +144,12 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
   verdict = lambda walk: _unpaid_after(
       *walk, fallback.step_cost() if step_cost is None else step_cost, patience)
-  unpaid, ar_chunk = 0, chunk
+  unpaid, ar_chunk, quiet = 0, chunk, False   # quiet: the last walk judged took no draft
   if fallback is not None and prompt_walk is not None:
+    # The prompt is not the target's output: its walk earns speculation, never a try.
     unpaid = verdict(prompt_walk)
-  quiet = unpaid >= patience   # the last walk judged took no draft
+    quiet = unpaid >= patience
+    unpaid = 0 if unpaid == 0 else patience
   unjudged = None              # since_B of the AR chunk judged while the next one runs
   while not done.all():
     t0 = time.perf_counter()

@@ -283,14 +283,18 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
 
 def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   """A drafter that proposes nothing: AR chunks from the start (4 + 16 + 39 tokens: they
-  grow 4× while judged walks take nothing), not a step. Suffix decoding on a prompt that repeats: the walk over the prompt beats the
-  step's price, so the loop speculates at once."""
+  grow 4× while judged walks take nothing), not a step. Suffix decoding on prompts that
+  repeat: their walk beats a step priced at 2 AR steps, so the loop speculates at once
+  (two unpaid steps on this target's output, then AR chunks); priced at 100 AR steps, the
+  walk took drafts, but too few, and a prompt earns no try step (a chunk walk would)."""
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
   assert (steps, chunks) == (0, 3)
   suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
-  _, _, steps, _ = _host_loop_with_fallback(tiny_split, suffix,
-                                            prompts=[[3, 4, 5, 6] * 5, [7, 8, 9] * 6])
-  assert steps >= 1
+  repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating)
+  assert (steps, chunks) == (2, 3)
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 100.0, prompts=repeating)
+  assert (steps, chunks) == (0, 3)
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
