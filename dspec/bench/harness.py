@@ -1,13 +1,14 @@
 """The benchmark behind `scripts/benchmark.py` (DESIGN §8, §9): datasets × methods × sweep.
 
-For every temperature × dataset × batch size, AR (the engine with no drafter) runs over the
-dataset's prompts, then every method × size × verify length over the same prompts, in the
-same process. Each batch of prompts gets one warm-up run (excluded from decode_s; summed
-into compile_s: compilation and, for controller engines, the step-cost profiling of
+For every temperature × dataset × batch size, AR (the engine with no drafter) and every
+method × size × verify length run over the dataset's prompts, in the same process. Each
+batch of prompts gets one warm-up run per method (excluded from decode_s; summed into
+compile_s: compilation and, for controller engines, the step-cost profiling of
 `VerifyLengthController.profile`, which runs once per engine and batch size, in the first
-warm-up) and then `timing_repeats` (>= 1) timed runs whose median counts
-(`runner.timed_generation`). Engines are built once per method × size × verify length ×
-sampling spec and reused across datasets.
+warm-up) and then `timing_repeats` (>= 1) rounds in which AR and every method run the
+batch once in turn, each method's median counting (`runner.timed_generations`): the
+machine's drift falls on AR and the methods alike. Engines are built once per method ×
+size × verify length × sampling spec and reused across datasets.
 
 Verify length (`bench.verify_lengths`, empty: the config's `verify_length`), as the decode
 CLI and the API choose it (`runner.speculative_engine`): 'auto' runs device drafters under
@@ -60,7 +61,7 @@ import json
 import os
 import time
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -164,41 +165,57 @@ class Engines:
   fallback: Optional[CountingFallback] = None
 
 
-def run_batches(engines: Engines, target_params, batches: list, settings: runner.Settings,
-                drafter_params, host_factory, on_state: Callable, tick: Callable) -> RunResult:
-  """Times every batch (`runner.timed_generation`); keeps the real rows' results and, under
-  auto, the tier steps of each batch's last (timed) run."""
-  engine, fallback = engines.engine, engines.fallback
-  result = RunResult(engine.num_draft, engine.drafter.samples_proposals,
-                     engines.verify_length)
-  controlled = isinstance(engine, VerifyLengthController)
-  if controlled or fallback is not None:
-    result.tier_steps = {}
-  factory = host_factory
-  if fallback is not None:
-    def counting_factory():
-      fallback.marks = []   # one generation per host drafter: count the last one only
-      return host_factory()
-    factory = counting_factory
+def _counting(host_factory, fallback: CountingFallback):
+  """`host_factory` that first clears `fallback`'s counts: they count the last generation."""
+  def factory():
+    fallback.marks = []
+    return host_factory()
+  return factory
+
+
+def run_batches(runs: Sequence[tuple], target_params, batches: list,
+                settings: runner.Settings, on_ar_state: Callable, tick: Callable) -> list:
+  """Times every batch with every run (engines, drafter params, host drafter factory; AR
+  first) in one `runner.timed_generations`: the runs take turns in each timed round, so
+  the machine's drift falls on AR and the methods alike. One RunResult per run, with the
+  real rows' results and, under auto, the tier steps of each batch's last (timed) run.
+  `on_ar_state(i, state, batch)` sees AR's state of batch i."""
+  results, generations = [], []
+  for engines, drafter_params, host_factory in runs:
+    engine, fallback = engines.engine, engines.fallback
+    result = RunResult(engine.num_draft, engine.drafter.samples_proposals,
+                       engines.verify_length)
+    if isinstance(engine, VerifyLengthController) or fallback is not None:
+      result.tier_steps = {}
+    if fallback is not None:
+      host_factory = _counting(host_factory, fallback)
+    results.append(result)
+    generations.append(runner.Generation(engine, target_params, drafter_params,
+                                         host_factory, fallback))
   for i, batch in enumerate(batches):
-    timed = runner.timed_generation(engine, target_params, drafter_params, batch.prompt_BP,
-                                    batch.lens, settings, factory, fallback)
-    state, n = timed['state'], batch.rows
-    generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
-    result.decode_s.append(timed['decode_s'])
-    result.new_tokens.append(int(generated[:n].sum()))
-    result.outputs += generated_ids(state)[:n]
-    result.stats.append({f: np.asarray(getattr(state.stats, f))[:n] for f in _STAT_FIELDS})
-    result.compile_s += timed['compile_s']
-    if controlled:
-      result.add_tier_steps(engine.tier_steps())
-    elif fallback is not None:
-      ar_steps = fallback.steps()
-      result.add_tier_steps({0: ar_steps, engine.num_draft:
-                             int(np.asarray(state.stats.steps_B).sum()) - ar_steps})
-    on_state(i, state, batch)
-    tick()
-  return result
+    timed = runner.timed_generations(generations, batch.prompt_BP, batch.lens, settings)
+    for (engines, _, _), result, run in zip(runs, results, timed):
+      _record(result, engines, run, batch.rows)
+    on_ar_state(i, timed[0]['state'], batch)
+    tick(len(runs))
+  return results
+
+
+def _record(result: RunResult, engines: Engines, timed: dict, rows: int) -> None:
+  """Adds one batch's timed generation (its first `rows` rows) to `result`."""
+  state, engine, fallback = timed['state'], engines.engine, engines.fallback
+  generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
+  result.decode_s.append(timed['decode_s'])
+  result.new_tokens.append(int(generated[:rows].sum()))
+  result.outputs += generated_ids(state)[:rows]
+  result.stats.append({f: np.asarray(getattr(state.stats, f))[:rows] for f in _STAT_FIELDS})
+  result.compile_s += timed['compile_s']
+  if isinstance(engine, VerifyLengthController):
+    result.add_tier_steps(engine.tier_steps())
+  elif fallback is not None:
+    ar_steps = fallback.steps()
+    result.add_tier_steps({0: ar_steps, engine.num_draft:
+                           int(np.asarray(state.stats.steps_B).sum()) - ar_steps})
 
 
 def verify_lengths(cfg) -> tuple:
@@ -388,8 +405,8 @@ class Benchmark:
 
   def run_sweep_point(self, dataset: str, temperature: float, batch_size: int,
                       bar: tqdm) -> None:
-    """AR, then every planned method × size × verify length, over one dataset at one T and
-    batch size."""
+    """AR and every planned method × size × verify length (timed in turns, `run_batches`)
+    over one dataset at one T and batch size."""
     cfg = self.cfg
     batches = make_batches(self.prompts[dataset], batch_size, self.tokenizer,
                            self.target.cfg.vocab_size, self.max_seq_len, cfg.max_new_tokens,
@@ -402,9 +419,22 @@ class Benchmark:
       if meter is not None:
         meter.add(state, batch.rows)
 
-    bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} ar')
-    ar = run_batches(self._engines('ar', drafter_lib.NoDrafter(), settings, None), self.params,
-                     batches, settings, None, None, on_ar_state, bar.update)
+    keys, runs = ['ar'], [(self._engines('ar', drafter_lib.NoDrafter(), settings, None),
+                           None, None)]
+    costs = {}
+    for method, size in self.plan:
+      drafter, params = self.drafters[method, size]
+      costs[method, size] = self._draft_cost((method, size), drafter, params, settings,
+                                             batches[0])
+      for vl in self.verify_lengths:
+        keys.append((method, size, vl))
+        runs.append((self._engines((method, size), drafter, settings, vl), params,
+                     drafter_lib.host_drafter_factory(drafter, private=True)))
+    bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size}: AR and '
+                        f'{len(runs) - 1} runs')
+    runs = dict(zip(keys, run_batches(runs, self.params, batches, settings, on_ar_state,
+                                      bar.update)))
+    ar = runs['ar']
     if meter is not None:
       self.entropy[dataset, temperature] = meter.moments()
     entropy = self.entropy.get((dataset, temperature))
@@ -413,19 +443,10 @@ class Benchmark:
     ar_row.update(distinct_4=distinct_ngram_ratio(ar.outputs, 4),
                   sample=self.tokenizer.decode(ar.outputs[0]))
     self.rows.append(ar_row)
-    runs = {'ar': ar}
-    for method, size in self.plan:
-      drafter, params = self.drafters[method, size]
-      cost = self._draft_cost((method, size), drafter, params, settings, batches[0])
-      for vl in self.verify_lengths:
-        bar.set_postfix_str(f'{dataset} T={temperature:g} b={batch_size} {method}:{size} {vl}')
-        res = run_batches(self._engines((method, size), drafter, settings, vl), self.params,
-                          batches, settings, params,
-                          drafter_lib.host_drafter_factory(drafter, private=True),
-                          lambda *a: None, bar.update)
-        self.rows.append(_row(dataset, method, *args, size, res, ar, entropy,
-                              cfg.max_new_tokens, cost))
-        runs[method, size, vl] = res
+    for key in keys[1:]:
+      method, size, _ = key
+      self.rows.append(_row(dataset, method, *args, size, runs[key], ar, entropy,
+                            cfg.max_new_tokens, costs[method, size]))
     if self.bench.hf_peer and (dataset, temperature, batch_size) == (
         self.bench.hf.dataset, 0.0, 1):
       self.peer_runs = runs

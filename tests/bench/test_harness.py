@@ -12,6 +12,7 @@ import pytest
 from configs import bench_demo, bench_tiny, common_bench
 from dspec.bench import harness, report, sol
 from dspec.cli import UserError
+from dspec.decoding import runner
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.engine import SpeculativeEngine
 
@@ -213,15 +214,35 @@ def both_modes(tmp_path_factory):
     time.sleep(PROFILE_SLEEP_S)
     return profile(self, *args)
 
+  generation = runner.run_generation
+  engines = []   # the engine of every generation, in the order they ran
+
+  def recorded_generation(engine, *args):
+    engines.append(engine)
+    return generation(engine, *args)
+
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(VerifyLengthController, 'profile', slow_profile)
+    mp.setattr(runner, 'run_generation', recorded_generation)
     bench = harness.Benchmark(cfg, out, 'python scripts/benchmark.py (modes)')
     bench.run()
   with open(os.path.join(out, report.RESULTS)) as f:
     rows = json.load(f)
   with open(os.path.join(out, report.META)) as f:
     meta = json.load(f)
+  bench.generation_engines = engines
   return bench, rows, meta, calls, out
+
+
+def test_ar_and_the_methods_take_turns(both_modes):
+  """Per batch, a warm-up round and then each timed round run AR and every method once in
+  turn, AR first: the machine's drift falls on all alike."""
+  bench, _, _, _, _ = both_modes
+  order = {}
+  runs = [order.setdefault(id(e), len(order)) for e in bench.generation_engines]
+  num_runs = 1 + 2 * 2   # AR; ngram and suffix, each auto and fixed (MTP is skipped)
+  rounds = 1 + bench.cfg.timing_repeats
+  assert runs == list(range(num_runs)) * rounds * bench.cfg.bench.num_prompts
 
 
 def _by(rows, method, verify_length):
