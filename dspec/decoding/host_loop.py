@@ -18,8 +18,9 @@ hidden): with ~1.5 ms per device call at B = 1 here, fewer calls is what AR pari
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
-warm-up run prices the next runs). A walk that took some drafts, but too few, earns one
-speculative step now (a paying stretch may be starting); one that took none, no step.
+warm-up run prices the next runs). A walk that took too few drafts but whose last step
+took one earns one speculative step now (a paying stretch may be starting where it
+ended); other walks, no step: scattered acceptances at T > 0 do not buy tries.
 The prompts are judged so before the first step (`start_host_drafter`), but earn no try:
 the prompt is not the target's output, and the first AR chunk is judged right away.
 """
@@ -30,7 +31,7 @@ import collections
 import functools
 import statistics
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -82,20 +83,31 @@ def _read_back(state, sequences, num, width):
   return new_num, done
 
 
-def judge_in_retrospect(host_drafter, sequences, since_B) -> tuple:
-  """(steps_B, tokens_B) verify steps would have taken over each row's tokens after
-  since_B: from length since_b, the drafter proposes on the sequence so far, the step
-  commits the proposal's prefix matching what was committed plus one token, and so on to
-  the end. `propose` sees each row's sequence grow monotonically, as in decoding."""
+class Walk(NamedTuple):
+  """What verify steps would have taken over each row's tokens (`judge_in_retrospect`):
+  steps, tokens, and the tokens of the last step that had room to take a draft."""
+
+  steps_B: np.ndarray
+  tokens_B: np.ndarray
+  last_taken_B: np.ndarray
+
+  def took_drafts(self) -> bool:
+    return bool(np.any(self.tokens_B > self.steps_B))
+
+
+def judge_in_retrospect(host_drafter, sequences, since_B) -> Walk:
+  """The `Walk` verify steps would have taken over each row's tokens after since_B: from
+  length since_b, the drafter proposes on the sequence so far, the step commits the
+  proposal's prefix matching what was committed plus one token, and so on to the end.
+  `propose` sees each row's sequence grow monotonically, as in decoding."""
   views = [seq[:n] for seq, n in zip(sequences, since_B)]
   ends_B = np.array([len(seq) for seq in sequences])
-  steps_B = np.zeros(len(sequences), np.int64)
-  tokens_B = np.zeros(len(sequences), np.int64)
+  walk = Walk(*(np.zeros(len(sequences), np.int64) for _ in range(3)))
   while True:
     at_B = np.array([len(v) for v in views])
     live_B = at_B < ends_B
     if not live_B.any():
-      return steps_B, tokens_B
+      return walk
     draft_BG, num_B = host_drafter.propose(views, live_B)
     for b in np.flatnonzero(live_B):
       seq, at = sequences[b], at_B[b]
@@ -106,27 +118,30 @@ def judge_in_retrospect(host_drafter, sequences, since_B) -> tuple:
         matched += 1
       taken = min(matched + 1, ends_B[b] - at)
       views[b].extend(seq[at:at + taken])
-      steps_B[b] += 1
-      tokens_B[b] += taken
+      walk.steps_B[b] += 1
+      walk.tokens_B[b] += taken
+      if ends_B[b] - at > 1:   # a step with one token to go cannot show a match
+        walk.last_taken_B[b] = taken
 
 
-def start_host_drafter(host_drafter, prompts, judge: bool):
+def start_host_drafter(host_drafter, prompts, judge: bool) -> Optional[Walk]:
   """`host_drafter.start(prompts)`; with `judge`, its state is then built token by token
   while its proposals are judged in retrospect over each prompt from the first token
-  (`judge_in_retrospect`), and that walk's (steps_B, tokens_B) returned, else None."""
+  (`judge_in_retrospect`), and that walk returned, else None."""
   host_drafter.start(prompts)
   if judge:
     return judge_in_retrospect(host_drafter, prompts, [min(1, len(p)) for p in prompts])
   return None
 
 
-def _unpaid_after(steps_B, tokens_B, cost: float, patience: int) -> int:
+def _unpaid_after(walk: Walk, cost: float, patience: int) -> int:
   """The loop's count of unpaid steps after judging a walk: 0 (speculate) when its tokens
-  per step beat `cost`, patience - 1 (one try) when it took some drafts, else patience."""
-  would_take = tokens_B.sum() / max(steps_B.sum(), 1)
+  per step beat `cost`; patience - 1 (one try) when its last step took a draft (a paying
+  stretch may be starting where the walk ended); else patience."""
+  would_take = walk.tokens_B.sum() / max(walk.steps_B.sum(), 1)
   if would_take > max(cost, 1):
     return 0
-  return patience - 1 if would_take > 1 else patience
+  return patience - 1 if np.any(walk.last_taken_B > 1) else patience
 
 
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
@@ -143,31 +158,35 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
   verdict = lambda walk: _unpaid_after(
-      *walk, fallback.step_cost() if step_cost is None else step_cost, patience)
-  unpaid, ar_chunk, quiet = 0, chunk, False   # quiet: the last walk judged took no draft
+      walk, fallback.step_cost() if step_cost is None else step_cost, patience)
+
+  def judge(since_B):
+    """(unpaid, quiet: the walk took no draft) after judging the tokens after since_B."""
+    walk = judge_in_retrospect(host_drafter, sequences, since_B)
+    return verdict(walk), not walk.took_drafts()
+
+  unpaid, ar_chunk, quiet = 0, chunk, False
   if fallback is not None and prompt_walk is not None:
     # The prompt is not the target's output: its walk earns speculation, never a try.
-    unpaid = verdict(prompt_walk)
-    quiet = unpaid >= patience
-    unpaid = 0 if unpaid == 0 else patience
+    unpaid = 0 if verdict(prompt_walk) == 0 else patience
+    quiet = not prompt_walk.took_drafts()
   unjudged = None              # since_B of the AR chunk judged while the next one runs
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
-      lagging = unjudged is not None
-      if lagging:   # on the host while the device runs this chunk
-        unpaid = verdict(judge_in_retrospect(host_drafter, sequences, unjudged))
+      if unjudged is not None:   # the last chunk, on the host while the device runs this one
+        unpaid, quiet = judge(unjudged)
         unjudged = None
       # Read back at most what AR committed: ar_chunk tokens per row.
       before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
-      if not lagging and not quiet:
-        unpaid = verdict(judge_in_retrospect(host_drafter, sequences, before))
-      elif unpaid >= patience:
-        unjudged = before
-      quiet = unpaid >= patience
+      if unpaid >= patience:     # no verdict to speculate yet: judge this chunk
+        if quiet:
+          unjudged = before      # while the next chunk runs
+        else:
+          unpaid, quiet = judge(before)
       ar_chunk = chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
       continue
     quiet = False

@@ -127,15 +127,18 @@ class Generation:
 def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B,
                       settings: Settings) -> list:
   """For each generation a warm-up (compile) run, then `timing_repeats` rounds that run
-  every generation once in turn (interleaved, so the machine's drift falls on all alike);
+  every generation once in turn (interleaved, so the machine's drift falls on all alike;
+  round r starts at generation r - 1, so none always runs first or after the same one);
   each result reports the medians of its timed runs (and every timed run's decode time,
   `decode_s_rounds`) and the last run's state. With `timing_repeats` 0 the single run is
   the result (its time includes compilation)."""
   states = [None] * len(generations)
   times = [[] for _ in generations]        # (prefill s, decode s) of each timed run
   first_s = [0.0] * len(generations)
+  n = len(generations)
   for r in range(1 + settings.timing_repeats):
-    for i, g in enumerate(generations):
+    for i in (np.arange(n) + max(r - 1, 0)) % n:
+      g = generations[i]
       t = time.perf_counter()
       states[i], prefill_s, decode_s = run_generation(
           g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
