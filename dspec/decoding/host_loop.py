@@ -14,7 +14,8 @@ would have taken it (for a point-mass draft, AR sampling the draft token has the
 acceptance probability).
 Once a walk took no draft at all, the chunks grow 4× instead of 2× and are judged while
 the device runs the chunk after them (their verdict acts a chunk late, the host work is
-hidden): with ~1.5 ms per device call at B = 1 here, fewer calls is what AR parity needs.
+hidden; not at all under a chunk that ends the generation, where it could not act): with
+~1.5 ms per device call at B = 1 here, fewer calls is what AR parity needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
@@ -153,8 +154,11 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   speculative step's cost in AR steps (None: `fallback.step_cost()`). `started`: its
   `start` already saw the prompts (the runner calls it while the device prefills), and
   `prompt_walk` is what judging them returned (`start_host_drafter`)."""
-  tokens, num, done = jax.device_get((state.tokens_BL, state.num_tokens_B, state.done_B))
+  tokens, num, done, prompt_len_B, max_new_B = jax.device_get((
+      state.tokens_BL, state.num_tokens_B, state.done_B, state.prompt_len_B,
+      state.max_new_tokens))
   sequences = row_tokens(tokens, num)
+  budget_B = prompt_len_B + max_new_B   # each row's length when done (or a stop token)
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
   verdict = lambda walk: _unpaid_after(
@@ -175,14 +179,14 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
-      if unjudged is not None:   # the last chunk, on the host while the device runs this one
-        unpaid, quiet = judge(unjudged)
-        unjudged = None
+      if unjudged is not None and ar_chunk < np.max(budget_B - num):
+        unpaid, quiet = judge(unjudged)   # the last chunk, while the device runs this one
+      unjudged = None                     # (unless this one ends the generation)
       # Read back at most what AR committed: ar_chunk tokens per row.
       before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
-      if unpaid >= patience:     # no verdict to speculate yet: judge this chunk
+      if unpaid >= patience and not done.all():   # no verdict to speculate: judge this chunk
         if quiet:
           unjudged = before      # while the next chunk runs
         else:
