@@ -9,9 +9,10 @@ i.e. plain AR), a drafter that stops paying stops costing a host round trip per 
 after `patience` steps in a row that accepted no draft (empty proposals or rejected ones)
 the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk
 read back is judged in retrospect on the host, with no device work: the drafter's
-proposal at every committed length is walked against what AR committed, as verify steps
-would have taken it (for a point-mass draft, AR sampling the draft token has the
-acceptance probability).
+proposal at every committed length of the chunk's last `walk_tail` tokens is walked
+against what AR committed, as verify steps would have taken it (for a point-mass draft,
+AR sampling the draft token has the acceptance probability). The verdict is about now,
+and on a CPU the host's work shares the cores with the device's.
 Once a walk took no draft at all, the chunks grow 4× instead of 2× and are judged while
 the device runs the chunk after them (their verdict acts a chunk late, the host work is
 hidden; not at all under a chunk that ends the generation, where it could not act): with
@@ -96,11 +97,14 @@ class Walk(NamedTuple):
     return bool(np.any(self.tokens_B > self.steps_B))
 
 
-def judge_in_retrospect(host_drafter, sequences, since_B) -> Walk:
-  """The `Walk` verify steps would have taken over each row's tokens after since_B: from
-  length since_b, the drafter proposes on the sequence so far, the step commits the
-  proposal's prefix matching what was committed plus one token, and so on to the end.
-  `propose` sees each row's sequence grow monotonically, as in decoding."""
+def judge_in_retrospect(host_drafter, sequences, since_B, tail: Optional[int] = None) -> Walk:
+  """The `Walk` verify steps would have taken over each row's tokens after since_B (with
+  `tail`, over at most its last `tail` tokens: the verdict is about now): from length
+  since_b, the drafter proposes on the sequence so far, the step commits the proposal's
+  prefix matching what was committed plus one token, and so on to the end. `propose` sees
+  each row's sequence grow monotonically, as in decoding."""
+  if tail is not None:
+    since_B = [max(n, len(seq) - tail) for seq, n in zip(sequences, since_B)]
   views = [seq[:n] for seq, n in zip(sequences, since_B)]
   ends_B = np.array([len(seq) for seq in sequences])
   walk = Walk(*(np.zeros(len(sequences), np.int64) for _ in range(3)))
@@ -125,13 +129,14 @@ def judge_in_retrospect(host_drafter, sequences, since_B) -> Walk:
         walk.last_taken_B[b] = taken
 
 
-def start_host_drafter(host_drafter, prompts, judge: bool) -> Optional[Walk]:
-  """`host_drafter.start(prompts)`; with `judge`, its state is then built token by token
-  while its proposals are judged in retrospect over each prompt from the first token
-  (`judge_in_retrospect`), and that walk returned, else None."""
+def start_host_drafter(host_drafter, prompts, judge: bool,
+                       tail: int = 64) -> Optional[Walk]:
+  """`host_drafter.start(prompts)`; with `judge`, its proposals are then judged in
+  retrospect over each prompt's last `tail` tokens (`judge_in_retrospect`; its state is
+  built up to there by the first proposal), and that walk returned, else None."""
   host_drafter.start(prompts)
   if judge:
-    return judge_in_retrospect(host_drafter, prompts, [min(1, len(p)) for p in prompts])
+    return judge_in_retrospect(host_drafter, prompts, [min(1, len(p)) for p in prompts], tail)
   return None
 
 
@@ -147,10 +152,12 @@ def _unpaid_after(walk: Walk, cost: float, patience: int) -> int:
 
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
                        fallback=None, patience: int = 2, chunk: int = 8,
-                       max_chunk: int = 128, step_cost: Optional[float] = None,
-                       started: bool = False, prompt_walk: Optional[tuple] = None):
+                       max_chunk: int = 128, walk_tail: int = 16,
+                       step_cost: Optional[float] = None, started: bool = False,
+                       prompt_walk: Optional[Walk] = None):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
-  (with `fallback`, AR chunks while it stops paying; module docstring). `step_cost`: a
+  (with `fallback`, AR chunks while it stops paying; module docstring; each chunk's walk
+  covers at most its last `walk_tail` tokens). `step_cost`: a
   speculative step's cost in AR steps (None: `fallback.step_cost()`). `started`: its
   `start` already saw the prompts (the runner calls it while the device prefills), and
   `prompt_walk` is what judging them returned (`start_host_drafter`)."""
@@ -166,7 +173,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
 
   def judge(since_B):
     """(unpaid, quiet: the walk took no draft) after judging the tokens after since_B."""
-    walk = judge_in_retrospect(host_drafter, sequences, since_B)
+    walk = judge_in_retrospect(host_drafter, sequences, since_B, walk_tail)
     return verdict(walk), not walk.took_drafts()
 
   unpaid, ar_chunk, quiet = 0, chunk, False

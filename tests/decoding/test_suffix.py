@@ -10,7 +10,7 @@ from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, Suff
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import ARFallback, generate_host_loop
+from dspec.decoding.host_loop import ARFallback, generate_host_loop, judge_in_retrospect
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
 
@@ -232,6 +232,17 @@ class _SilentHostDrafter:
 
   def finish(self, sequences):
     pass
+
+
+def test_walks_judge_at_most_their_last_tokens():
+  """A walk with a tail proposes only at the last `tail` lengths: the verdict is about now,
+  and the host's work shares the CPU with the device's."""
+  host = _SilentHostDrafter()
+  sequences = [list(range(20)), list(range(12))]
+  host.start(sequences)
+  walk = judge_in_retrospect(host, sequences, [1, 10], tail=5)
+  assert host.calls == 5 and walk.steps_B.tolist() == [5, 2]
+  assert walk.tokens_B.tolist() == [5, 2] and not walk.took_drafts()
 
 
 class _CountingSteps:
