@@ -157,10 +157,10 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
                        prompt_walk: Optional[Walk] = None):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`
   (with `fallback`, AR chunks while it stops paying; module docstring; each chunk's walk
-  covers at most its last `walk_tail` tokens). `step_cost`: a
-  speculative step's cost in AR steps (None: `fallback.step_cost()`). `started`: its
-  `start` already saw the prompts (the runner calls it while the device prefills), and
-  `prompt_walk` is what judging them returned (`start_host_drafter`)."""
+  covers at most its last `walk_tail` tokens). `step_cost`: a speculative step's cost in
+  AR steps (None: `fallback.step_cost()`). `started`: its `start` already saw the prompts
+  (the runner calls it while the device prefills), and `prompt_walk` is what judging them
+  returned (`start_host_drafter`)."""
   tokens, num, done, prompt_len_B, max_new_B = jax.device_get((
       state.tokens_BL, state.num_tokens_B, state.done_B, state.prompt_len_B,
       state.max_new_tokens))
@@ -186,7 +186,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
-      if unjudged is not None and ar_chunk < np.max(budget_B - num):
+      if unjudged is not None and ar_chunk < np.max(np.where(done, 0, budget_B - num)):
         unpaid, quiet = judge(unjudged)   # the last chunk, while the device runs this one
       unjudged = None                     # (unless this one ends the generation)
       # Read back at most what AR committed: ar_chunk tokens per row.

@@ -162,15 +162,6 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
   return results
 
 
-def timed_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                     settings: Settings, host_factory: Optional[Callable] = None,
-                     host_fallback=None) -> dict:
-  """`timed_generations` of one generation."""
-  return timed_generations([Generation(engine, target_params, drafter_params, host_factory,
-                                       host_fallback)], prompt_BP, prompt_len_B,
-                           settings)[0]
-
-
 def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
   """Row 0's per-step trace of an engine built with `trace=True`: the drafted tokens,
   how many were accepted, the tokens committed (and the controller's tier)."""
