@@ -10,7 +10,8 @@ from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, Suff
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import ARFallback, generate_host_loop, judge_in_retrospect
+from dspec.decoding.host_loop import (ARFallback, Walk, _unpaid_after, generate_host_loop,
+                                      judge_in_retrospect)
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
 
@@ -243,6 +244,17 @@ def test_walks_judge_at_most_their_last_tokens():
   walk = judge_in_retrospect(host, sequences, [1, 10], tail=5)
   assert host.calls == 5 and walk.steps_B.tolist() == [5, 2]
   assert walk.tokens_B.tolist() == [5, 2] and not walk.took_drafts()
+
+
+def test_a_walk_earns_a_try_only_when_its_last_step_took_a_draft():
+  """Too few drafts to pay at a step's price: a try when the walk ended taking a draft (a
+  paying stretch may be starting there), none for drafts taken earlier (at T > 0, walks
+  take scattered ones); enough to pay: speculate."""
+  early = Walk(np.array([5, 4]), np.array([7, 4]), np.array([1, 1]))
+  late = Walk(np.array([5, 4]), np.array([7, 4]), np.array([1, 3]))
+  assert _unpaid_after(early, 100.0, patience=2) == 2
+  assert _unpaid_after(late, 100.0, patience=2) == 1
+  assert _unpaid_after(early, 1.2, patience=2) == 0
 
 
 class _CountingSteps:
