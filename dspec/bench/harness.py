@@ -175,8 +175,8 @@ def _counting(host_factory, fallback: CountingFallback):
 
 def run_batches(runs: Sequence[tuple], target_params, batches: list,
                 settings: runner.Settings, on_ar_state: Callable, tick: Callable) -> list:
-  """Times every batch with every run (engines, drafter params, host drafter factory; AR
-  first) in one `runner.timed_generations`: the runs take turns in each timed round, so
+  """Times every batch with every run (engines, drafter params, host drafter factory; the
+  first is AR's) in one `runner.timed_generations`: the runs take turns in each round, so
   the machine's drift falls on AR and the methods alike. One RunResult per run, with the
   real rows' results and, under auto, the tier steps of each batch's last (timed) run.
   `on_ar_state(i, state, batch)` sees AR's state of batch i."""

@@ -132,10 +132,9 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
   each result reports the medians of its timed runs (and every timed run's decode time,
   `decode_s_rounds`) and the last run's state. With `timing_repeats` 0 the single run is
   the result (its time includes compilation)."""
-  states = [None] * len(generations)
-  times = [[] for _ in generations]        # (prefill s, decode s) of each timed run
-  first_s = [0.0] * len(generations)
   n = len(generations)
+  states, first_s = [None] * n, [0.0] * n
+  times = [[] for _ in generations]        # (prefill s, decode s) of each timed run
   for r in range(1 + settings.timing_repeats):
     for i in (np.arange(n) + max(r - 1, 0)) % n:
       g = generations[i]
