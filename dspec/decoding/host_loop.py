@@ -2,7 +2,10 @@
 
 Each iteration lets the host drafter propose from its copy of the committed tokens, runs
 the engine's jitted step with that proposal, and reads back only what the step committed
-(at most γ + 1 tokens per row, plus the counters), never the whole token buffer.
+(at most γ + 1 tokens per row, plus the counters), never the whole token buffer. The step
+verifies only as many positions as the longest proposal needs, rounded up to a power of
+two (`verify_width`): host drafters' proposals vary in length (a suffix match of m tokens
+drafts at most m), and a short one need not pay for γ positions.
 
 With `fallback` (an `ARFallback`: an engine over the same state that verifies nothing,
 i.e. plain AR), a drafter that stops paying stops costing a host round trip per token:
@@ -140,6 +143,33 @@ def start_host_drafter(host_drafter, prompts, judge: bool,
   return None
 
 
+def verify_width(longest: int, num_draft: int) -> int:
+  """Drafts verified by a step whose longest proposal is `longest`: the next power of two
+  (one compiled step per width; at least 1), at most `num_draft`. On a CPU a step's cost
+  grows with its width: a short proposal need not pay for `num_draft` positions."""
+  return min(1 << max(longest - 1, 0).bit_length(), num_draft)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_widths(engine, tokens_shape) -> set:
+  """The verify widths whose step `engine` has compiled for a state whose token buffer
+  has `tokens_shape` (batch, length: the cache's shapes follow)."""
+  return set()
+
+
+def compile_step_widths(engine, target_params, drafter_params, state) -> None:
+  """Compiles `engine.step` at every `verify_width` not compiled yet (one step with an
+  empty proposal on a copy of `state` each), before the loop: no generation then compiles
+  mid-way (the runner calls it; the loop alone compiles each width when first used)."""
+  compiled = _compiled_widths(engine, state.tokens_BL.shape)
+  widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
+  b = state.tokens_BL.shape[0]
+  for width in sorted(widths - compiled):
+    empty = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.zeros((b,), np.int32)))
+    engine.step(target_params, drafter_params, jax.tree.map(lambda x: x.copy(), state), empty)
+    compiled.add(width)
+
+
 def _unpaid_after(walk: Walk, cost: float, patience: int) -> int:
   """The loop's count of unpaid steps after judging a walk: 0 (speculate) when its tokens
   per step beat `cost`; patience - 1 (one try) when its last step took a draft (a paying
@@ -202,11 +232,12 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       continue
     quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
-    proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32),
+    width = verify_width(int(np.max(num_B, initial=0)), engine.num_draft)
+    proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32)[:, :width],
                                        np.asarray(num_B, np.int32)))
     state = engine.step(target_params, drafter_params, state, proposal)
     before = num
-    num, done = _read_back(state, sequences, num, engine.num_draft + 1)
+    num, done = _read_back(state, sequences, num, width + 1)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
     unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted

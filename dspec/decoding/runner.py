@@ -24,7 +24,8 @@ from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.controller import ControllerConfig, VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import ARFallback, generate_host_loop, start_host_drafter
+from dspec.decoding.host_loop import (ARFallback, compile_step_widths, generate_host_loop,
+                                     start_host_drafter)
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
@@ -90,13 +91,15 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
   while they stop paying; their set-up over the prompts (suffix tries) runs while the
-  device prefills, as a server starts a request's host state on arrival."""
+  device prefills, as a server starts a request's host state on arrival, and the first
+  run compiles the loop's step at every verify width (`compile_step_widths`)."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed)
   host = None if host_factory is None else host_factory()
   if host is not None:
+    compile_step_widths(engine, target_params, drafter_params, state)   # first run only
     prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
                                                       np.asarray(prompt_len_B)),
                                      judge=host_fallback is not None)

@@ -9,9 +9,9 @@ import pytest
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
-from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import (ARFallback, Walk, _unpaid_after, generate_host_loop,
-                                      judge_in_retrospect)
+from dspec.decoding.engine import SpeculativeEngine, _programs
+from dspec.decoding.host_loop import (ARFallback, Walk, _unpaid_after, compile_step_widths,
+                                      generate_host_loop, judge_in_retrospect, verify_width)
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
 
@@ -258,13 +258,16 @@ def test_a_walk_earns_a_try_only_when_its_last_step_took_a_draft():
 
 
 class _CountingSteps:
-  """Forwards `step` to an engine, counting the calls (device round trips)."""
+  """Forwards `step` to an engine, counting the calls (device round trips) and recording
+  each one's (verify width, longest proposal)."""
 
   def __init__(self, engine):
-    self.engine, self.num_draft, self.calls = engine, engine.num_draft, 0
+    self.engine, self.num_draft, self.calls, self.widths = engine, engine.num_draft, 0, []
 
   def step(self, *args):
     self.calls += 1
+    proposal = args[3]
+    self.widths.append((proposal.tokens_BG.shape[1], int(np.max(proposal.num_proposed_B))))
     return self.engine.step(*args)
 
 
@@ -279,12 +282,13 @@ class _CountingChunks(ARFallback):
 
 
 def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
-                             judge_prompts=True):
+                             judge_prompts=True, widths=None):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
   60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
   `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
-  the loop starts speculating."""
+  the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
+  proposal)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -301,6 +305,8 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
                              patience=2, chunk=4, step_cost=step_cost,
                              started=not judge_prompts)
   assert generated_ids(state) == expected
+  if widths is not None:
+    widths.extend(counted.widths)
   return state, host, counted.calls, fallback.calls
 
 
@@ -318,6 +324,43 @@ def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   assert (steps, chunks) == (2, 3)
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 100.0, prompts=repeating)
   assert (steps, chunks) == (0, 3)
+
+
+def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
+  """Each step verifies the next power of two at or above its longest proposal (at most
+  num_draft 4): proposals of 1, 2, 3 drafts take steps of widths 1, 2, 4; the output is
+  AR's and every draft is accepted."""
+  assert [verify_width(n, 16) for n in range(18)] == [1, 1, 2] + [4] * 2 + [8] * 4 + [16] * 9
+  assert verify_width(5, 6) == 6
+  widths = []
+  state, _, steps, _ = _host_loop_with_fallback(
+      tiny_split, lambda ar_ids: _ShorteningHostDrafter([e[1:] for e in ar_ids]),
+      judge_prompts=False, widths=widths)
+  assert widths[:6] == [(1, 1), (2, 2), (4, 3)] * 2
+  assert all(w == verify_width(n, 4) for w, n in widths), widths
+  stats = jax.device_get(state.stats)
+  assert np.array_equal(stats.accepted_B, stats.proposed_B) and steps == len(widths)
+
+
+def test_every_verify_width_compiles_before_the_loop(tiny_split):
+  """`compile_step_widths` (the runner's, before the timer starts) compiles the step at
+  widths 1, 2 and 4 of num_draft 4: the loop, stepping at all three, compiles nothing."""
+  graphdef, params = tiny_split
+  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
+  ar = SpeculativeEngine(graphdef)
+  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
+                                                                lens, max_new_tokens=24)))
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4,
+                                                             cache_id='test_widths'))
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
+  compile_step_widths(engine, params, None, state)
+  step = _programs(engine)['step']
+  compiled = step._cache_size()
+  host = _ShorteningHostDrafter([e[1:] for e in expected])
+  host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
+  state = generate_host_loop(engine, params, None, state, host, started=True)
+  assert generated_ids(state) == expected
+  assert compiled == 3 and step._cache_size() == compiled
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
@@ -344,6 +387,17 @@ class _HostDrafterFrom(_SilentHostDrafter):
       if live[b] and ahead:
         tokens[b, :len(ahead)] = ahead if done in self.right else [t + 1 for t in ahead]
     return tokens, np.full((len(sequences),), 4, np.int32) * live
+
+
+class _ShorteningHostDrafter(_HostDrafterFrom):
+  """AR's own continuation, proposing 1, 2, 3, 1, 2, 3, … of its 4 drafts per step."""
+
+  def __init__(self, expected):
+    super().__init__(expected, right_from=0)
+
+  def propose(self, sequences, live):
+    tokens, num = super().propose(sequences, live)
+    return tokens, np.minimum(num, 1 + (self.calls - 1) % 3)
 
 
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
