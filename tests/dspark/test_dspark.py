@@ -23,6 +23,7 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.dspark import verify_lengths
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
+from dspec.decoding.runner import trace_of
 from dspec.models.transformer import Transformer
 from dspec.training import dspark_task, tasks
 
@@ -180,11 +181,12 @@ def test_load_aware_verify_cost_sets_the_verify_lengths_without_recompiling(toy)
 def test_controller_hands_the_drafter_its_load_aware_verify_cost(toy):
   """Under verify_length=auto the controller sets λ(B) from its table; greedy output still
   equals AR in the ragged batch, and with nearly free verification (λ ≈ 0) row 0's
-  proposals at tier BLOCK are whole blocks (but for its last step, cut by its budget)."""
+  proposals at tier BLOCK are whole blocks (cut to its remaining budget, the engine's
+  shrinking verify size)."""
   params, dparams = toy['params'], toy['dparams']
   prompt_BP, lens = pad_prompts([PROMPT, OTHER])
   controller = VerifyLengthController(toy['graphdef'], toy['drafter'],
-                                      config=ControllerConfig(tiers=(0, BLOCK)))
+                                      config=ControllerConfig(tiers=(0, BLOCK)), trace=True)
   for lam in (1e-4, 0.5):
     controller.costs = _table(2, lam)
     state = controller.prefill(params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
@@ -192,8 +194,13 @@ def test_controller_hands_the_drafter_its_load_aware_verify_cost(toy):
     assert generated_ids(state) == toy['ar']
     assert float(state.drafter_state.verify_cost) == pytest.approx(lam, rel=1e-5)
     if lam < 1e-3:
-      drafting = controller.row0_tiers.count(BLOCK)
-      assert drafting >= 2 and int(state.stats.proposed_B[0]) >= BLOCK * (drafting - 1)
+      steps = trace_of(state, controller.row0_tiers)['steps']
+      generated, proposed = 1, []           # the prefill commits row 0's first token
+      for step in steps:
+        if step['tier'] == BLOCK:
+          proposed.append((len(step['proposed']), min(BLOCK, NEW_TOKENS - generated)))
+        generated += len(step['committed'])
+      assert len(proposed) >= 2 and all(n == whole for n, whole in proposed), proposed
 
 
 def test_bad_drafter_settings_are_one_line_errors(toy):
