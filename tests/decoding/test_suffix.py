@@ -101,6 +101,28 @@ def test_draft_length_is_capped_by_match_length():
   assert speculate(tree, [0, 1, 2, 3], max_draft=8, max_spec_factor=0.0) == ([], 0.0)
 
 
+@pytest.mark.parametrize('vocab,depth', [(3, 4), (8, 6)])   # matches to the cap; short
+def test_context_nodes_kept_as_a_request_grows_equal_fresh_lookups(vocab, depth):
+  """The per-request trie's context nodes (kept by `append`) and the global trie's (kept
+  as tokens arrive, found afresh after the global trie changes) equal `suffix_nodes`
+  lookups, so drafts equal `speculate` over each trie (the per-request trie wins ties)."""
+  rng = random.Random(2)
+  tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]
+  cache = SuffixCache(max_depth=depth, max_cached_requests=3)
+  for _ in range(3):
+    cache.cache_output(tokens(40))
+  request = cache.start_request(tokens(5))
+  for step in range(60):
+    if step % 20 == 10:
+      cache.cache_output(tokens(60))   # the global trie changes mid-request (an eviction)
+    cache.add_tokens(request, tokens(rng.randrange(1, 3)))
+    context = request.tokens[-depth:]
+    assert request.tree.own_suffix_nodes(0) == request.tree.suffix_nodes(context)
+    assert cache._global_nodes(request) == cache.global_tree.suffix_nodes(context)
+    own, other = (speculate(t, context, 4) for t in (request.tree, cache.global_tree))
+    assert cache.speculate(request, 4) == (other if other[1] > own[1] else own)
+
+
 def test_global_tree_serves_a_later_request():
   cache = SuffixCache(max_depth=8, max_cached_requests=4)
   first = cache.start_request([1, 2, 3])

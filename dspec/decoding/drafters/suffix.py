@@ -58,6 +58,7 @@ class SuffixTree:
     self._free: List[int] = []                  # released nodes, reused first
     self._seqs: Dict[int, List[int]] = {}
     self._open: Dict[int, List[int]] = {}       # nodes of the suffixes still growing
+    self.version = 0                            # bumped by every change
 
   def _new_node(self) -> int:
     if self._free:
@@ -78,6 +79,7 @@ class SuffixTree:
   def append(self, seq_id: int, token: int) -> None:
     """Appends one token to sequence `seq_id` (created on first use)."""
     count, children = self._count, self._children
+    self.version += 1
     seq = self._seqs.setdefault(seq_id, [])
     open_nodes = self._open.setdefault(seq_id, [])
     open_nodes.append(self.ROOT)
@@ -100,6 +102,7 @@ class SuffixTree:
     """Removes a sequence: decrements every count it added, releasing emptied nodes."""
     seq = self._seqs.pop(seq_id)
     del self._open[seq_id]
+    self.version += 1
     count, children = self._count, self._children
     for start in range(len(seq)):
       count[self.ROOT] -= 1
@@ -124,6 +127,34 @@ class SuffixTree:
       if node is None:
         return None
     return node
+
+  def suffix_nodes(self, context: Sequence[int]) -> List[int]:
+    """The nodes of the context's last m tokens, m = 1, 2, … (at most max_depth) while
+    they exist. Every suffix of a path is a path, so the m found are contiguous."""
+    nodes = []
+    for m in range(1, min(len(context), self.max_depth) + 1):
+      node = self.find(context[len(context) - m:])
+      if node is None:
+        break
+      nodes.append(node)
+    return nodes
+
+  def extend_suffix_nodes(self, nodes: List[int], token: int) -> List[int]:
+    """`suffix_nodes` of a context with `token` appended, from the context's `nodes`:
+    the node of the new last m tokens is the child of the old last m - 1's (O(m); no
+    node is deeper than max_depth, so neither is the last)."""
+    children, out = self._children, []
+    for node in [self.ROOT] + nodes:
+      node = children[node].get(token)
+      if node is None:
+        break
+      out.append(node)
+    return out
+
+  def own_suffix_nodes(self, seq_id: int) -> List[int]:
+    """`suffix_nodes` of sequence seq_id's own last tokens: the nodes its next token
+    extends (`append` keeps them; no lookups)."""
+    return self._open.get(seq_id, [])[::-1]
 
   @property
   def num_nodes(self) -> int:
@@ -167,11 +198,16 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_draft: int,
   Stops at the first m whose last-m-token node is missing (or m > max_depth); ties go to
   the longer match.
   """
+  return speculate_from(tree, tree.suffix_nodes(context), max_draft, min_token_prob,
+                        max_spec_factor, max_spec_offset)
+
+
+def speculate_from(tree: SuffixTree, nodes: Sequence[int], max_draft: int,
+                   min_token_prob: float = 0.1, max_spec_factor: float = 1.0,
+                   max_spec_offset: float = 0.0) -> Tuple[List[int], float]:
+  """`speculate` given the context's `suffix_nodes` (nodes[m - 1]: its last m tokens')."""
   best_tokens, best_score = [], 0.0
-  for m in range(1, min(len(context), tree.max_depth) + 1):
-    node = tree.find(context[len(context) - m:])
-    if node is None:
-      break
+  for m, node in enumerate(nodes, 1):
     max_tokens = min(max_draft, int(max_spec_factor * m + max_spec_offset + 1e-6))
     tokens, score = tree.most_frequent_path(node, max_tokens, min_token_prob)
     if score >= best_score:
@@ -180,12 +216,14 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_draft: int,
 
 
 class SuffixRequest:
-  """One active request: its per-request trie over prompt + generated tokens."""
+  """One active request: its per-request trie over prompt + generated tokens, and where
+  its tokens match in the global trie ((global version, tokens seen, suffix nodes))."""
 
   def __init__(self, prompt: Sequence[int], max_depth: int):
     self.tree = SuffixTree(max_depth)
     self.tree.extend(0, prompt)
     self.prompt_len = len(prompt)
+    self.global_match = (-1, 0, [])
 
   @property
   def tokens(self) -> List[int]:
@@ -224,15 +262,27 @@ class SuffixCache:
   def speculate(self, request: SuffixRequest, max_draft: int, min_token_prob: float = 0.1,
                 max_spec_factor: float = 1.0,
                 max_spec_offset: float = 0.0) -> Tuple[List[int], float]:
-    """Drafts from the per-request and the global trie; the higher score wins."""
-    context = request.tokens[-self.max_depth:]
+    """Drafts from the per-request and the global trie; the higher score wins. The
+    context's nodes in either trie are kept as it grows, not looked up per match length."""
     knobs = (max_draft, min_token_prob, max_spec_factor, max_spec_offset)
-    best = speculate(request.tree, context, *knobs)
+    best = speculate_from(request.tree, request.tree.own_suffix_nodes(0), *knobs)
     if self.num_cached:
-      from_global = speculate(self.global_tree, context, *knobs)
+      from_global = speculate_from(self.global_tree, self._global_nodes(request), *knobs)
       if from_global[1] > best[1]:
         best = from_global
     return best
+
+  def _global_nodes(self, request: SuffixRequest) -> List[int]:
+    """The global trie's `suffix_nodes` of the request's tokens: extended over the tokens
+    added since the last call, or found afresh when the global trie has changed."""
+    tokens, tree = request.tokens, self.global_tree
+    version, seen, nodes = request.global_match
+    if version != tree.version or seen > len(tokens):
+      seen, nodes = len(tokens), tree.suffix_nodes(tokens[-self.max_depth:])
+    for token in tokens[seen:]:
+      nodes = tree.extend_suffix_nodes(nodes, token)
+    request.global_match = (tree.version, len(tokens), nodes)
+    return nodes
 
   def stop_request(self, request: SuffixRequest) -> None:
     """Adds the request's generated output to the global trie."""
