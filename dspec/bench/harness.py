@@ -151,6 +151,14 @@ class CountingFallback(ARFallback):
     self.marks.append(jnp.sum(state.stats.steps_B) - before)
     return state
 
+  def try_then_run(self, engine, target_params, drafter_params, state, proposal,
+                   max_steps: int):
+    before = jnp.sum(state.stats.steps_B) + jnp.sum(~state.done_B)   # after the try
+    state, paid = super().try_then_run(engine, target_params, drafter_params, state,
+                                       proposal, max_steps)
+    self.marks.append(jnp.sum(state.stats.steps_B) - before)
+    return state, paid
+
   def steps(self) -> int:
     return int(sum(jax.device_get(self.marks)))
 

@@ -26,6 +26,9 @@ steps over that of its recent AR tokens, kept by the `ARFallback` across generat
 warm-up run prices the next runs). A walk that took too few drafts but whose last step
 took one earns one speculative step now (a paying stretch may be starting where it
 ended); other walks, no step: scattered acceptances at T > 0 do not buy tries.
+A step whose rejection sends the loop to AR (such a try, or a stretch's last unpaid step)
+carries the AR chunk along in the same device call (`ARFallback.try_then_run`: the chunk
+runs only if no row accepted a draft), so a rejected try costs its verify, not a round trip.
 The prompts are judged so before the first step (`start_host_drafter`), but earn no try:
 the prompt is not the target's output, and the first AR chunk is judged right away.
 """
@@ -64,11 +67,30 @@ class ARFallback:
   def run(self, *args, **kwargs):
     return self.engine.run(*args, **kwargs)
 
+  def try_then_run(self, engine, target_params, drafter_params, state, proposal,
+                   max_steps: int):
+    """`engine.step` verifying `proposal`, then up to `max_steps` AR steps unless some row
+    accepted a draft, in one device call; (state, whether a draft was accepted)."""
+    return _try_then_run(engine, self.engine)(target_params, drafter_params, state,
+                                              proposal, jax.device_put(np.int32(max_steps)))
+
   def step_cost(self) -> float:
     """A speculative step's cost in AR tokens (medians; 1.0 until both were timed)."""
     if not self.step_s or not self.ar_token_s:
       return 1.0
     return statistics.median(self.step_s) / statistics.median(self.ar_token_s)
+
+
+@functools.lru_cache(maxsize=64)
+def _try_then_run(engine, ar_engine):
+  """The program of `ARFallback.try_then_run` (the state is donated)."""
+  def try_then_run(target_params, drafter_params, state, proposal, max_steps):
+    before_B = state.num_tokens_B
+    state = engine.step_fn(target_params, drafter_params, state, proposal)
+    paid = jnp.any(state.num_tokens_B - before_B > 1)
+    return ar_engine.run_fn(target_params, drafter_params, state,
+                            jnp.where(paid, 0, max_steps)), paid
+  return jax.jit(try_then_run, donate_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -151,22 +173,29 @@ def verify_width(longest: int, num_draft: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled_widths(engine, tokens_shape) -> set:
-  """The verify widths whose step `engine` has compiled for a state whose token buffer
-  has `tokens_shape` (batch, length: the cache's shapes follow)."""
+def _compiled_widths(engine, ar_engine, tokens_shape) -> set:
+  """The verify widths whose step `engine` (and its `try_then_run` with `ar_engine`) has
+  compiled for a state whose token buffer has `tokens_shape` (the cache's shapes follow)."""
   return set()
 
 
-def compile_step_widths(engine, target_params, drafter_params, state) -> None:
-  """Compiles `engine.step` at every `verify_width` not compiled yet (one step with an
-  empty proposal on a copy of `state` each), before the loop: no generation then compiles
-  mid-way (the runner calls it; the loop alone compiles each width when first used)."""
-  compiled = _compiled_widths(engine, state.tokens_BL.shape)
+def compile_step_widths(engine, target_params, drafter_params, state,
+                        fallback: Optional[ARFallback] = None) -> None:
+  """Compiles `engine.step` (with `fallback`, also its `try_then_run`) at every
+  `verify_width` not compiled yet (on a copy of `state` with an empty proposal each),
+  before the loop: no generation then compiles mid-way (the runner calls it; the loop
+  alone compiles each width when first used)."""
+  ar_engine = None if fallback is None else fallback.engine
+  compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
   b = state.tokens_BL.shape[0]
+  copy = lambda: jax.tree.map(lambda x: x.copy(), state)
   for width in sorted(widths - compiled):
     empty = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.zeros((b,), np.int32)))
-    engine.step(target_params, drafter_params, jax.tree.map(lambda x: x.copy(), state), empty)
+    engine.step(target_params, drafter_params, copy(), empty)
+    if ar_engine is not None:
+      _try_then_run(engine, ar_engine)(target_params, drafter_params, copy(), empty,
+                                       jax.device_put(np.int32(0)))
     compiled.add(width)
 
 
@@ -212,6 +241,18 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     unpaid = 0 if verdict(prompt_walk) == 0 else patience
     quiet = not prompt_walk.took_drafts()
   unjudged = None              # since_B of the AR chunk judged while the next one runs
+
+  def after_ar_chunk(before):
+    """Judges the AR chunk committed after `before` (or leaves it to judge while the next
+    one runs, when quiet); sets the next chunk's length."""
+    nonlocal unpaid, quiet, unjudged, ar_chunk
+    if unpaid >= patience and not done.all():   # no verdict to speculate: judge this chunk
+      if quiet:
+        unjudged = before      # while the next chunk runs
+      else:
+        unpaid, quiet = judge(before)
+    ar_chunk = chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
+
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
@@ -223,20 +264,27 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       before = num
       num, done = _read_back(state, sequences, num, ar_chunk)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
-      if unpaid >= patience and not done.all():   # no verdict to speculate: judge this chunk
-        if quiet:
-          unjudged = before      # while the next chunk runs
-        else:
-          unpaid, quiet = judge(before)
-      ar_chunk = chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
+      after_ar_chunk(before)
       continue
     quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
     width = verify_width(int(np.max(num_B, initial=0)), engine.num_draft)
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32)[:, :width],
                                        np.asarray(num_B, np.int32)))
-    state = engine.step(target_params, drafter_params, state, proposal)
     before = num
+    if fallback is not None and unpaid == patience - 1:
+      # A rejected proposal sends the loop to AR: the AR chunk runs in the same call.
+      state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
+                                          proposal, ar_chunk)
+      live = ~done
+      num, done = _read_back(state, sequences, num, width + 1 + ar_chunk)
+      if bool(paid):
+        unpaid = 0
+      else:   # each live row committed one token at the step, then the chunk's
+        unpaid = patience
+        after_ar_chunk(before + live)
+      continue
+    state = engine.step(target_params, drafter_params, state, proposal)
     num, done = _read_back(state, sequences, num, width + 1)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)

@@ -99,7 +99,8 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed)
   host = None if host_factory is None else host_factory()
   if host is not None:
-    compile_step_widths(engine, target_params, drafter_params, state)   # first run only
+    compile_step_widths(engine, target_params, drafter_params, state,   # first run only
+                        host_fallback)
     prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
                                                       np.asarray(prompt_len_B)),
                                      judge=host_fallback is not None)

@@ -10,8 +10,9 @@ from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, Suff
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine, _programs
-from dspec.decoding.host_loop import (ARFallback, Walk, _unpaid_after, compile_step_widths,
-                                      generate_host_loop, judge_in_retrospect, verify_width)
+from dspec.decoding.host_loop import (ARFallback, Walk, _try_then_run, _unpaid_after,
+                                      compile_step_widths, generate_host_loop,
+                                      judge_in_retrospect, verify_width)
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
 
@@ -280,37 +281,50 @@ def test_a_walk_earns_a_try_only_when_its_last_step_took_a_draft():
 
 
 class _CountingSteps:
-  """Forwards `step` to an engine, counting the calls (device round trips) and recording
-  each one's (verify width, longest proposal)."""
+  """Forwards `step` to an engine, counting the speculative steps (alone or a
+  `try_then_run`'s) and recording each one's (verify width, longest proposal)."""
 
   def __init__(self, engine):
     self.engine, self.num_draft, self.calls, self.widths = engine, engine.num_draft, 0, []
 
-  def step(self, *args):
+  def record(self, proposal):
     self.calls += 1
-    proposal = args[3]
     self.widths.append((proposal.tokens_BG.shape[1], int(np.max(proposal.num_proposed_B))))
+
+  def step(self, *args):
+    self.record(args[3])
     return self.engine.step(*args)
 
 
 class _CountingChunks(ARFallback):
-  """An AR fallback counting its `run` calls (AR chunks)."""
+  """An AR fallback counting its AR chunks (`run` calls, and `try_then_run` calls whose
+  step was rejected and AR steps ran) and its `try_then_run` calls (`tries`)."""
 
-  calls = 0
+  calls = tries = 0
 
   def run(self, *args):
     self.calls += 1
     return super().run(*args)
 
+  def try_then_run(self, counted, target_params, drafter_params, state, proposal, max_steps):
+    counted.record(proposal)
+    self.tries += 1
+    before = int(np.sum(state.stats.steps_B)) + int(np.sum(~state.done_B))
+    state, paid = super().try_then_run(counted.engine, target_params, drafter_params, state,
+                                       proposal, max_steps)
+    self.calls += int(np.sum(state.stats.steps_B)) > before
+    return state, paid
+
 
 def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
-                             judge_prompts=True, widths=None):
+                             judge_prompts=True, widths=None, tries=None):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
   60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
   `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
   the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
-  proposal)."""
+  proposal); `tries` (a list) the number of steps that carried an AR chunk along
+  (`ARFallback.try_then_run`)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -329,6 +343,8 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
   assert generated_ids(state) == expected
   if widths is not None:
     widths.extend(counted.widths)
+  if tries is not None:
+    tries.append(fallback.tries)
   return state, host, counted.calls, fallback.calls
 
 
@@ -365,8 +381,9 @@ def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
 
 
 def test_every_verify_width_compiles_before_the_loop(tiny_split):
-  """`compile_step_widths` (the runner's, before the timer starts) compiles the step at
-  widths 1, 2 and 4 of num_draft 4: the loop, stepping at all three, compiles nothing."""
+  """`compile_step_widths` (the runner's, before the timer starts) compiles the step, and
+  the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4: the loop,
+  stepping at all three, compiles nothing."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -374,15 +391,17 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
                                                                 lens, max_new_tokens=24)))
   engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4,
                                                              cache_id='test_widths'))
+  fallback = ARFallback.of(engine)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
-  compile_step_widths(engine, params, None, state)
-  step = _programs(engine)['step']
-  compiled = step._cache_size()
+  compile_step_widths(engine, params, None, state, fallback)
+  programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine))
+  compiled = [p._cache_size() for p in programs]
   host = _ShorteningHostDrafter([e[1:] for e in expected])
   host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
-  state = generate_host_loop(engine, params, None, state, host, started=True)
+  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
+                             started=True)
   assert generated_ids(state) == expected
-  assert compiled == 3 and step._cache_size() == compiled
+  assert compiled == [3, 3] and [p._cache_size() for p in programs] == compiled
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
@@ -426,11 +445,13 @@ def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones, and judged in retrospect after each
   AR chunk they never win speculation back."""
   # The host copy starts after the prefill's token; drafts target the tokens after it.
+  tries = []
   state, host, steps, chunks = _host_loop_with_fallback(
       tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99),
-      judge_prompts=False)
+      judge_prompts=False, tries=tries)
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
-  assert (steps, chunks) == (2, 3)
+  # The second unpaid step carries the first AR chunk along (one device call for both).
+  assert (steps, chunks, tries) == (2, 3, [1])
   # Asked for two steps, then judged on the host at every length the AR chunk of 4
   # committed (right away); the chunk of 16 is quiet, judged while the next one runs, but
   # that one (37 tokens) ends the generation, where no verdict could act: not judged.
@@ -442,10 +463,13 @@ def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
   1); an AR chunk of 4 (2-5, judged: 4 tokens in 1 step, over the step's price of 2);
   five steps (6-30), two unpaid ones (31, 32) and AR chunks again from 4: 4 (judged:
   nothing taken), 16, 6. Priced at 100 AR steps, the walk over the 4 earns one step
-  instead, which pays, and the chunks go on growing from there: 8, 18."""
+  instead, which pays, and the chunks go on growing from there: 8, 18. Each second unpaid
+  step, and the walk's step, carries its AR chunk along in one device call; run only
+  where the step was rejected."""
   make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 2, 30)
-  for step_cost, expected_chunks in ((2.0, 4), (100.0, 3)):
+  for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (100.0, 3, 3)):
+    tries = []
     state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost,
-                                                       judge_prompts=False)
-    assert chunks == expected_chunks
+                                                       judge_prompts=False, tries=tries)
+    assert chunks == expected_chunks and tries == [expected_tries]
     assert steps == 2 + 5 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
