@@ -317,14 +317,13 @@ class _CountingChunks(ARFallback):
 
 
 def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
-                             judge_prompts=True, widths=None, tries=None):
+                             judge_prompts=True, widths=None, fallbacks=None):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
   60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
   `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
   the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
-  proposal); `tries` (a list) the number of steps that carried an AR chunk along
-  (`ARFallback.try_then_run`)."""
+  proposal); `fallbacks` (a list) the AR fallback (`_CountingChunks`)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -343,8 +342,8 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
   assert generated_ids(state) == expected
   if widths is not None:
     widths.extend(counted.widths)
-  if tries is not None:
-    tries.append(fallback.tries)
+  if fallbacks is not None:
+    fallbacks.append(fallback)
   return state, host, counted.calls, fallback.calls
 
 
@@ -445,13 +444,16 @@ def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones, and judged in retrospect after each
   AR chunk they never win speculation back."""
   # The host copy starts after the prefill's token; drafts target the tokens after it.
-  tries = []
+  fallbacks = []
   state, host, steps, chunks = _host_loop_with_fallback(
       tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99),
-      judge_prompts=False, tries=tries)
+      judge_prompts=False, fallbacks=fallbacks)
   assert int(np.asarray(state.stats.accepted_B).sum()) == 0
-  # The second unpaid step carries the first AR chunk along (one device call for both).
-  assert (steps, chunks, tries) == (2, 3, [1])
+  # The second unpaid step carries the first AR chunk along (one device call for both);
+  # that chunk's AR tokens are timed too (the call's time less a step's), as the others.
+  fallback, = fallbacks
+  assert (steps, chunks, fallback.tries) == (2, 3, 1)
+  assert (len(fallback.step_s), len(fallback.ar_token_s)) == (1, 3)
   # Asked for two steps, then judged on the host at every length the AR chunk of 4
   # committed (right away); the chunk of 16 is quiet, judged while the next one runs, but
   # that one (37 tokens) ends the generation, where no verdict could act: not judged.
@@ -468,8 +470,9 @@ def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
   where the step was rejected."""
   make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 2, 30)
   for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (100.0, 3, 3)):
-    tries = []
+    fallbacks = []
     state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost,
-                                                       judge_prompts=False, tries=tries)
-    assert chunks == expected_chunks and tries == [expected_tries]
+                                                       judge_prompts=False,
+                                                       fallbacks=fallbacks)
+    assert chunks == expected_chunks and fallbacks[0].tries == expected_tries
     assert steps == 2 + 5 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
