@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspec.decoding.drafter import TruncatedDrafter
+from dspec.decoding.engine import device_scalar
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal
 
@@ -72,7 +73,7 @@ class ARFallback:
     """`engine.step` verifying `proposal`, then up to `max_steps` AR steps unless some row
     accepted a draft, in one device call; (state, whether a draft was accepted)."""
     return _try_then_run(engine, self.engine)(target_params, drafter_params, state,
-                                              proposal, jax.device_put(np.int32(max_steps)))
+                                              proposal, device_scalar(int(max_steps)))
 
   def step_cost(self) -> float:
     """A speculative step's cost in AR tokens (medians; 1.0 until both were timed)."""
@@ -195,7 +196,7 @@ def compile_step_widths(engine, target_params, drafter_params, state,
     engine.step(target_params, drafter_params, copy(), empty)
     if ar_engine is not None:
       _try_then_run(engine, ar_engine)(target_params, drafter_params, copy(), empty,
-                                       jax.device_put(np.int32(0)))
+                                       device_scalar(0))
     compiled.add(width)
 
 

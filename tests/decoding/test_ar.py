@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from flax import nnx
 
 from conftest import generate
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.sampling import SamplingSpec
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 2], [33, 4, 12]]
@@ -85,3 +87,19 @@ def test_sampling_spec_validation():
     SamplingSpec.create(1.0, 0, 0.0)
   with pytest.raises(ValueError, match='top_p'):
     SamplingSpec.create(1.0, 0, 1.5)
+
+
+def test_chunks_of_a_seen_length_transfer_nothing(tiny_split, ar_engine):
+  """`run`'s step limit and `force_wide` are device scalars transferred once per value
+  (`device_scalar`): chunks of lengths already run transfer nothing to the device, and
+  chunks of 4 + 4 + the rest commit what one call does."""
+  params = tiny_split[1]
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  start = lambda: ar_engine.prefill(params, None, prompt_BP, lens, max_new_tokens=12)
+  expected = generated_ids(ar_engine.generate(params, None, ar_engine.run(params, None,
+                                                                           start(), 4)))
+  state = start()
+  with jax.transfer_guard_host_to_device('disallow_explicit'):
+    for limit in (4, 4, None):
+      state = ar_engine.run(params, None, state, limit)
+  assert generated_ids(state) == expected
