@@ -219,18 +219,23 @@ class SpeculativeEngine:
 
     live = live_B.astype(jnp.int32)
     s = state.stats
-    k_BG = jnp.arange(1, s.reached_BG.shape[1] + 1)[None, :]
-    reached_BG = live_B[:, None] & (k_BG <= num_proposed_B[:, None]) & (k_BG <= n_B[:, None] + 1)
-    passed_BG = reached_BG & (k_BG <= n_B[:, None])
-    stats = DecodeStats(
-        steps_B=s.steps_B + live,
-        committed_B=s.committed_B + count_B,
-        accept_hist_BG1=s.accept_hist_BG1 + live[:, None] * (
-            jnp.arange(s.accept_hist_BG1.shape[1])[None, :] == accepted_B[:, None]),
-        proposed_B=s.proposed_B + live * num_proposed_B,
-        accepted_B=s.accepted_B + live * accepted_B,
-        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'),
-        reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG)
+    stats = s.replace(
+        steps_B=s.steps_B + live, committed_B=s.committed_B + count_B,
+        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'))
+    if g:
+      k_BG = jnp.arange(1, s.reached_BG.shape[1] + 1)[None, :]
+      reached_BG = live_B[:, None] & (k_BG <= num_proposed_B[:, None]) & (
+          k_BG <= n_B[:, None] + 1)
+      passed_BG = reached_BG & (k_BG <= n_B[:, None])
+      stats = stats.replace(
+          accept_hist_BG1=s.accept_hist_BG1 + live[:, None] * (
+              jnp.arange(s.accept_hist_BG1.shape[1])[None, :] == accepted_B[:, None]),
+          proposed_B=s.proposed_B + live * num_proposed_B,
+          accepted_B=s.accepted_B + live * accepted_B,
+          reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG)
+    else:   # an AR step (no draft position): it counts as a step accepting 0 drafts, and
+      # its program does no per-draft counting (~1-2% of a step on a γ-wide state here)
+      stats = stats.replace(accept_hist_BG1=s.accept_hist_BG1.at[:, 0].add(live))
     trace = state.trace
     if trace is not None:
       at = jnp.where(live_B[0], s.steps_B[0], trace.num_proposed_S.shape[0])

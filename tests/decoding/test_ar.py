@@ -9,8 +9,11 @@ import pytest
 from flax import nnx
 
 from conftest import generate
+from dspec.decoding.drafter import NoDrafter
+from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
+from dspec.decoding.state import Proposal
 from dspec.sampling import SamplingSpec
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 2], [33, 4, 12]]
@@ -103,3 +106,23 @@ def test_chunks_of_a_seen_length_transfer_nothing(tiny_split, ar_engine):
     for limit in (4, 4, None):
       state = ar_engine.run(params, None, state, limit)
   assert generated_ids(state) == expected
+
+
+def test_an_ar_step_counts_as_a_step_proposing_nothing(tiny_split):
+  """On a speculative engine's state (per-draft counters for γ = 3), plain AR steps (the
+  controller's and the host loop's tier 0: no draft position, so no per-draft counting)
+  leave the tokens and every counter as steps verifying an empty proposal do."""
+  params = tiny_split[1]
+  engine = SpeculativeEngine(tiny_split[0], drafter=NgramDrafter(num_draft=3))
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  start = lambda: engine.prefill(params, None, prompt_BP, lens, max_new_tokens=6)
+  empty = jax.device_put(Proposal(np.zeros((len(PROMPTS), 1), np.int32),
+                                  np.zeros((len(PROMPTS),), np.int32)))
+  stepped = start()
+  for _ in range(3):
+    stepped = engine.step(params, None, stepped, empty)
+  ar = engine.with_drafter(NoDrafter()).run(params, None, start(), 3)
+  assert np.asarray(ar.stats.accept_hist_BG1).shape == (len(PROMPTS), 4)
+  assert generated_ids(ar) == generated_ids(stepped)
+  for got, want in zip(jax.tree.leaves(ar.stats), jax.tree.leaves(stepped.stats)):
+    np.testing.assert_array_equal(got, want)
