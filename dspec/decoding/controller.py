@@ -552,9 +552,10 @@ class VerifyLengthController:
         chunk = max(min((4 if g == 0 else 2) * chunk, cap), cfg.steps_per_decision) \
             if grow else cfg.steps_per_decision
         if g == 0 and retrospective:
-          # Judged in retrospect, a tier-0 chunk of any length is evidence at every length,
-          # and running AR loses nothing but the speedup not taken: long chunks (x4).
-          chunk = max(min(cfg.max_steps_per_decision,
+          # Judged in retrospect (its last `max_steps_per_decision` lengths: the verdict
+          # is about now), a tier-0 chunk of any length is evidence, and running AR loses
+          # nothing but the speedup not taken: long chunks (x4 in steps and in time).
+          chunk = max(min(4 * cfg.max_steps_per_decision,
                           int(4 * cfg.chunk_seconds / self.costs[b, 0])),
                       cfg.steps_per_decision)
       idle += chunk if g == 0 else 0
@@ -577,7 +578,8 @@ class VerifyLengthController:
           state.num_tokens_B, matched, state.stats.steps_B))
       new_proposing = reached[:, 0]
       if shadow_now and retrospective and not done.all():
-        matched = self._judge_in_retrospect(state, num_before)
+        matched = self._judge_in_retrospect(
+            state, np.maximum(num_before, num - cfg.max_steps_per_decision))
       new_row0_steps = steps_B[0]
       steps = int(new_hist.sum() - hist.sum())
       self.row0_tiers += [g] * int(new_row0_steps - row0_steps)

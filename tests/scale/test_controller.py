@@ -319,6 +319,17 @@ def test_ngram_is_judged_in_retrospect(tiny_split, ar):
   assert generated_ids(state) == ar[0]
 
 
+def test_ngram_tier0_chunks_run_past_the_decision_cap(tiny_split):
+  """Judged in retrospect, n-gram's tier-0 chunks run 4 × `chunk_seconds` of AR steps, up
+  to 4 × `max_steps_per_decision` (the judge covers the chunk's last lengths): without a
+  repeat, a 12-token generation (11 steps) runs 8 steps at once, then the rest."""
+  controller = VerifyLengthController(tiny_split[0], NGRAM, config=ControllerConfig(
+      tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2, chunk_seconds=2.0),
+      cost_table=_costs(0.05, batches=(2,)))
+  generate(controller, tiny_split[1], None, [list(range(10, 20)), list(range(30, 37))], 12)
+  assert [t[:2] for t in controller.last_trace[:1]] == [(0, 2 * 8)], controller.last_trace
+
+
 def test_tiers_resize_or_truncate():
   assert tier_drafter(NgramDrafter(num_draft=8), 3).num_draft == 3
   assert tier_drafter(NgramDrafter(num_draft=8), 0) == TruncatedDrafter(NgramDrafter(), 0)
