@@ -522,8 +522,7 @@ class VerifyLengthController:
     idle, probe_every, shadowed = 0, self._probe_every.get(b, cfg.probe_every), 0
     self._realised = {}
     if retrospective and cheap:   # first, the drafter judged on the prompt's own text
-      estimate.observe_shadow(*self._judge_in_retrospect(
-          state, np.maximum(num - cfg.max_steps_per_decision, 0)))
+      estimate.observe_shadow(*self._judge_in_retrospect(state, np.zeros_like(num), num))
     while not done.all():
       remaining = max_new - (num - prompt_len)
       tokens = self.predicted(estimate, b, ~done, remaining)
@@ -578,8 +577,7 @@ class VerifyLengthController:
           state.num_tokens_B, matched, state.stats.steps_B))
       new_proposing = reached[:, 0]
       if shadow_now and retrospective and not done.all():
-        matched = self._judge_in_retrospect(
-            state, np.maximum(num_before, num - cfg.max_steps_per_decision))
+        matched = self._judge_in_retrospect(state, num_before, num)
       new_row0_steps = steps_B[0]
       steps = int(new_hist.sum() - hist.sum())
       self.row0_tiers += [g] * int(new_row0_steps - row0_steps)
@@ -599,11 +597,13 @@ class VerifyLengthController:
     self._carried[b] = estimate.pooled()
     return state
 
-  def _judge_in_retrospect(self, state, start_B: np.ndarray):
-    """Host copies of `_retrospective_match` over the lengths from `start_B` (host) on."""
+  def _judge_in_retrospect(self, state, since_B: np.ndarray, num_B: np.ndarray):
+    """Host copies of `_retrospective_match` over the lengths since `since_B`, at most the
+    last `max_steps_per_decision` before `num_B` (host copies of the state's counts)."""
+    width = self.config.max_steps_per_decision
     return jax.device_get(_retrospective_match(
-        self.drafter, self.config.max_steps_per_decision, state.tokens_BL,
-        jax.device_put(start_B), state.num_tokens_B))
+        self.drafter, width, state.tokens_BL, jax.device_put(np.maximum(since_B, num_B - width)),
+        state.num_tokens_B))
 
   def tier_steps(self) -> dict:
     """{tier: verify steps summed over rows} of the last `generate`."""

@@ -233,8 +233,9 @@ class SpeculativeEngine:
           proposed_B=s.proposed_B + live * num_proposed_B,
           accepted_B=s.accepted_B + live * accepted_B,
           reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG)
-    else:   # an AR step (no draft position): it counts as a step accepting 0 drafts, and
-      # its program does no per-draft counting (~1-2% of a step on a γ-wide state here)
+    else:
+      # An AR step (no draft position) counts as a step accepting 0 drafts, and its
+      # program does no per-draft counting (~1-2% of a step on a γ-wide state here).
       stats = stats.replace(accept_hist_BG1=s.accept_hist_BG1.at[:, 0].add(live))
     trace = state.trace
     if trace is not None:

@@ -279,14 +279,15 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
                                           proposal, ar_chunk)
       live = ~done
       num, done = _read_back(state, sequences, num, width + 1 + ar_chunk)
+      elapsed, committed = time.perf_counter() - t0, np.max(num - before)
       if bool(paid):   # the AR chunk ran no step: the call's time is the step's
         unpaid = 0
-        fallback.step_s.append(time.perf_counter() - t0)
+        fallback.step_s.append(elapsed)
       else:   # each live row committed one token at the step, then the chunk's
         unpaid = patience
-        if fallback.step_s and np.max(num - before) > 1:   # the chunk's time: less a step's
-          fallback.ar_token_s.append((time.perf_counter() - t0 - statistics.median(
-              fallback.step_s)) / (np.max(num - before) - 1))
+        if fallback.step_s and committed > 1:   # the chunk's time: the call's less a step's
+          fallback.ar_token_s.append(
+              (elapsed - statistics.median(fallback.step_s)) / (committed - 1))
         after_ar_chunk(before + live)
       continue
     state = engine.step(target_params, drafter_params, state, proposal)

@@ -327,7 +327,7 @@ def test_ngram_tier0_chunks_run_past_the_decision_cap(tiny_split):
       tiers=TIERS, steps_per_decision=1, max_steps_per_decision=2, chunk_seconds=2.0),
       cost_table=_costs(0.05, batches=(2,)))
   generate(controller, tiny_split[1], None, [list(range(10, 20)), list(range(30, 37))], 12)
-  assert [t[:2] for t in controller.last_trace[:1]] == [(0, 2 * 8)], controller.last_trace
+  assert controller.last_trace[0][:2] == (0, 2 * 8), controller.last_trace
 
 
 def test_tiers_resize_or_truncate():
