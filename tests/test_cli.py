@@ -31,6 +31,7 @@ def test_metrics_json_has_every_design_key(tmp_path):
               'lossless', 'output_ids'):
     assert key in report, key
   assert report['method'] == 'ngram' and report['lossless'] is True
+  assert report['speedup_rounds'] == [pytest.approx(report['speedup'])]   # one timed round
   assert len(report['output_ids']) == report['new_tokens'] == 12
   assert len(report['per_position_acceptance']) == 8
   assert 'lossless=True' in stdout

@@ -27,6 +27,9 @@ Row metrics:
   speedup            tokens_per_s / ar_tokens_per_s. At T = 0 outputs equal AR's, so this is
                      AR decode time / method decode time over the same prompts; at T > 0 the
                      token-rate ratio accounts for different output lengths.
+  speedup_rounds     the same ratio within each timed round (every batch's run in that round,
+                     AR's in the same round; token counts of the last run): the spread that
+                     the median-based speedup hides
   lossless_fraction  prompts whose greedy output is token-identical to AR's (T = 0); null at T > 0
   sol_bound          T > 0: `sol.sol_bound` with P = num_draft + 1 and the dataset's entropy
                      at that temperature (None for drafters that sample their proposals)
@@ -120,6 +123,7 @@ class RunResult:
   verify_length: Optional[str] = None
   tier_steps: Optional[dict] = None
   decode_s: list = dataclasses.field(default_factory=list)
+  decode_s_rounds: list = dataclasses.field(default_factory=list)   # per batch, per round
   new_tokens: list = dataclasses.field(default_factory=list)
   outputs: list = dataclasses.field(default_factory=list)
   stats: list = dataclasses.field(default_factory=list)
@@ -127,6 +131,11 @@ class RunResult:
 
   def tokens_per_s(self, num_batches: Optional[int] = None) -> float:
     return hf_peer.tokens_per_s(self.decode_s[:num_batches], self.new_tokens[:num_batches])
+
+  def tokens_per_s_rounds(self) -> list:
+    """Tokens per second of each timed round (every batch's run in that round)."""
+    return [hf_peer.tokens_per_s(list(times), self.new_tokens)
+            for times in zip(*self.decode_s_rounds)]
 
   def metrics(self) -> dict:
     merged = {f: np.concatenate([s[f] for s in self.stats]) for f in _STAT_FIELDS}
@@ -214,6 +223,7 @@ def _record(result: RunResult, engines: Engines, timed: dict, rows: int) -> None
   state, engine, fallback = timed['state'], engines.engine, engines.fallback
   generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
   result.decode_s.append(timed['decode_s'])
+  result.decode_s_rounds.append(timed['decode_s_rounds'])
   result.new_tokens.append(int(generated[:rows].sum()))
   result.outputs += generated_ids(state)[:rows]
   result.stats.append({f: np.asarray(getattr(state.stats, f))[:rows] for f in _STAT_FIELDS})
@@ -332,6 +342,8 @@ def _row(dataset, method, temperature, batch_size, size, res: RunResult, ar: Run
       'position_reached': metrics['position_reached'],
       'position_passed': metrics['position_passed'],
       'speedup': tps / ar_tps, 'tokens_per_s': tps, 'ar_tokens_per_s': ar_tps,
+      'speedup_rounds': [t / a for t, a in zip(res.tokens_per_s_rounds(),
+                                                ar.tokens_per_s_rounds())],
       'decode_s': float(np.sum(res.decode_s)), 'new_tokens': int(np.sum(res.new_tokens)),
       'lossless_fraction': lossless,
       'draft_over_verify': cost['draft_over_verify'] if cost else None,

@@ -347,10 +347,17 @@ def summary_table(rows: list, temperature: float, batch_size: int) -> str:
                 + ['mean τ', 'overall speedup'], body)
 
 
+def _speedup_cell(row: dict) -> str:
+  """'1.23×', with the lowest and highest per-round speedup when there were several rounds."""
+  rounds = row.get('speedup_rounds') or []
+  spread = f' ({min(rounds):.2f}–{max(rounds):.2f})' if len(rounds) > 1 else ''
+  return f'{row["speedup"]:.2f}×{spread}'
+
+
 def condition_table(rows: list, temperature: float, batch_size: int) -> str:
-  """Every method × size at one condition: τ / speedup per dataset, τ token-weighted over
-  datasets, geometric-mean and lowest speedup, lowest lossless_fraction, draft / verify,
-  tier usage (auto)."""
+  """Every method × size at one condition: τ / speedup (its per-round range) per dataset,
+  τ token-weighted over datasets, geometric-mean and lowest speedup, lowest
+  lossless_fraction, draft / verify, tier usage (auto)."""
   datasets = _ordered(r['dataset'] for r in _dspec(rows))
   body = []
   for method, size in _entries(rows, temperature, batch_size):
@@ -359,7 +366,7 @@ def condition_table(rows: list, temperature: float, batch_size: int) -> str:
     lossless = [r['lossless_fraction'] for r in sel if r['lossless_fraction'] is not None]
     costs = [r['draft_over_verify'] for r in sel if r.get('draft_over_verify') is not None]
     body.append([f'{method} ({size})']
-                + [f'{by_ds[d]["tau"]:.2f} / {by_ds[d]["speedup"]:.2f}×' if d in by_ds
+                + [f'{by_ds[d]["tau"]:.2f} / {_speedup_cell(by_ds[d])}' if d in by_ds
                    else None for d in datasets]
                 + [pooled_tau(sel), _geomean(r['speedup'] for r in sel),
                    min(r['speedup'] for r in sel), min(lossless) if lossless else None,

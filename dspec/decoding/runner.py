@@ -215,8 +215,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
 
   batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
-  the report gets `speedup` (AR decode time / this decode time) and `lossless` (greedy:
-  outputs equal AR's). verify_length: see `speculative_engine` (a mesh `placement` runs
+  the report gets `speedup` (AR decode time / this decode time; medians), `speedup_rounds`
+  (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's). verify_length: see `speculative_engine` (a mesh `placement` runs
   'fixed'). debug: generation runs under `jax.transfer_guard('disallow')`, so an implicit
   host/device transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
@@ -243,7 +243,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   if host_factory and verify_length == 'auto' and not placement:
     fallback = ARFallback.of(engine)
   generations = [Generation(engine, target_params, drafter_params, host_factory, fallback)]
-  if compare_ar:   # AR first in every round
+  if compare_ar:   # the rounds rotate which generation runs first
     generations.insert(0, Generation(
         wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params))
   progress(('decoding' if not settings.timing_repeats else
@@ -270,9 +270,11 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
     ar_ids = generated_ids(ar['state'])[:len(rows)]
     metrics.update(ar_tokens_per_s=ar['tokens_per_s'], ar_decode_s=ar['decode_s'],
                    speedup=ar['decode_s'] / run['decode_s'],
+                   speedup_rounds=[a / r for a, r in zip(ar['decode_s_rounds'],
+                                                         run['decode_s_rounds'])],
                    lossless=(ar_ids == ids) if spec.greedy else None)
   else:
-    metrics.update(ar_tokens_per_s=None, speedup=None, lossless=None)
+    metrics.update(ar_tokens_per_s=None, speedup=None, speedup_rounds=None, lossless=None)
   per_prompt = [acceptance_metrics(state.stats, rows=[i]) for i in range(len(rows))]
   for m in per_prompt:
     m.pop('acceptance_lengths', None)

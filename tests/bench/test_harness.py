@@ -47,6 +47,7 @@ def test_tiny_bench_end_to_end(bench_dir):
   for r in dspec_rows:
     assert r['lossless_fraction'] == 1.0
     assert r['num_prompts'] == 2 and r['tau'] >= 1.0 and r['speedup'] > 0
+    assert r['speedup_rounds'] == [pytest.approx(r['speedup'])]   # one timed round
     # The config's verify_length (default auto) when bench.verify_lengths is empty.
     assert r['verify_length'] == (None if r['method'] == 'ar' else 'auto')
     if r['temperature'] == 0:   # no bound at T = 0; nothing beats the oracle ceiling
@@ -68,6 +69,19 @@ def test_tiny_bench_end_to_end(bench_dir):
   for r in dspec_rows:
     if r['method'] == 'ar':
       assert 0.0 < r['distinct_4'] <= 1.0 and isinstance(r['sample'], str)
+
+
+def test_speedup_rounds_pair_each_round_with_ars():
+  """Per-round speedups take every batch's time in that round, AR's from the same round;
+  the table cell shows their range."""
+  method, ar = harness.RunResult(4), harness.RunResult(0)
+  method.decode_s_rounds, method.new_tokens = [[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]], [10, 20]
+  ar.decode_s_rounds, ar.new_tokens = [[2.0, 2.0, 2.0], [2.0, 4.0, 6.0]], [10, 20]
+  assert method.tokens_per_s_rounds() == [15.0, 10.0, 7.5]
+  assert ar.tokens_per_s_rounds() == [7.5, 5.0, 3.75]
+  row = {'speedup': 2.0, 'speedup_rounds': [2.0, 2.0, 1.5]}
+  assert report._speedup_cell(row) == '2.00× (1.50–2.00)'
+  assert report._speedup_cell({'speedup': 2.0, 'speedup_rounds': [2.0]}) == '2.00×'
 
 
 def test_results_section_renders(bench_dir):
