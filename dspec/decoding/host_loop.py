@@ -30,7 +30,11 @@ A step whose rejection sends the loop to AR (such a try, or a stretch's last unp
 carries the AR chunk along in the same device call (`ARFallback.try_then_run`: the chunk
 runs only if no row accepted a draft), so a rejected try costs its verify, not a round trip.
 The prompts are judged so before the first step (`start_host_drafter`), but earn no try:
-the prompt is not the target's output, and the first AR chunk is judged right away.
+the prompt is not the target's output, and the first AR chunk is judged right away. Nor
+is a prompt's walk taken at its word: its tokens per step are scaled by what the stretches
+that earlier prompts earned realised against their walks' prediction (`ARFallback`'s
+`prompt_realised`, an average capped at 1, kept across generations; a prompt's own text
+overstates what the target's samples accept at T > 0).
 """
 
 from __future__ import annotations
@@ -59,6 +63,15 @@ class ARFallback:
     self.engine = engine
     self.step_s = collections.deque(maxlen=window)
     self.ar_token_s = collections.deque(maxlen=window)
+    self.prompt_realised = 1.0   # EMA of realised / predicted tokens per prompt-earned step
+
+  def realised_after_prompt(self, predicted: float, tokens: int, steps: int) -> None:
+    """Adds a prompt-earned stretch (`tokens` committed by live rows in `steps` row-steps,
+    where the prompt's walk predicted `predicted` per step) to the calibration: its ratio,
+    capped at 1, averaged in with weight 1/2."""
+    if steps:
+      self.prompt_realised = 0.5 * (self.prompt_realised +
+                                    min(tokens / steps / max(predicted, 1e-9), 1.0))
 
   @classmethod
   def of(cls, engine) -> 'ARFallback':
@@ -102,8 +115,16 @@ def _committed_since(state, since_B, width: int):
   return state.tokens_BL[jnp.arange(b)[:, None], idx_BW], state.num_tokens_B, state.done_B
 
 
+def read_window(engine, max_chunk: int) -> int:
+  """The read-back's width: the most a call of the loop commits per row (a step with every
+  draft accepted, then an AR chunk). One width: one compiled read-back, compiled before the
+  loop (`compile_step_widths`), so none lands in the loop's step or AR timings."""
+  return engine.num_draft + 1 + max_chunk
+
+
 def _read_back(state, sequences, num, width):
-  """Appends what was committed since `num` to `sequences`; returns (num, done)."""
+  """Appends what was committed since `num` (at most `width` per row) to `sequences`;
+  returns (num, done)."""
   new_BW, new_num, done = jax.device_get(
       _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
   for b, seq in enumerate(sequences):
@@ -181,16 +202,21 @@ def _compiled_widths(engine, ar_engine, tokens_shape) -> set:
 
 
 def compile_step_widths(engine, target_params, drafter_params, state,
-                        fallback: Optional[ARFallback] = None) -> None:
+                        fallback: Optional[ARFallback] = None, max_chunk: int = 128) -> None:
   """Compiles `engine.step` (with `fallback`, also its `try_then_run`) at every
-  `verify_width` not compiled yet (on a copy of `state` with an empty proposal each),
-  before the loop: no generation then compiles mid-way (the runner calls it; the loop
-  alone compiles each width when first used)."""
+  `verify_width` not compiled yet (on a copy of `state` with an empty proposal each), the
+  read-back of the loop's `max_chunk` and the fallback's AR chunk, before the loop: no generation then compiles
+  mid-way (the runner calls it; the loop alone compiles each when first used)."""
   ar_engine = None if fallback is None else fallback.engine
   compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
   b = state.tokens_BL.shape[0]
   copy = lambda: jax.tree.map(lambda x: x.copy(), state)
+  if widths - compiled:
+    _committed_since(state, jax.device_put(np.zeros((b,), np.int32)),   # as `_read_back`
+                     read_window(engine, max_chunk))
+    if fallback is not None:   # its AR chunks' program
+      fallback.engine.run(target_params, drafter_params, copy(), 0)
   for width in sorted(widths - compiled):
     empty = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.zeros((b,), np.int32)))
     engine.step(target_params, drafter_params, copy(), empty)
@@ -200,12 +226,16 @@ def compile_step_widths(engine, target_params, drafter_params, state,
     compiled.add(width)
 
 
-def _unpaid_after(walk: Walk, cost: float, patience: int) -> int:
+def walk_rate(walk: Walk) -> float:
+  """Tokens per step of a walk."""
+  return float(walk.tokens_B.sum() / max(walk.steps_B.sum(), 1))
+
+
+def _unpaid_after(walk: Walk, cost: float, patience: int, scale: float = 1.0) -> int:
   """The loop's count of unpaid steps after judging a walk: 0 (speculate) when its tokens
-  per step beat `cost`; patience - 1 (one try) when its last step took a draft (a paying
-  stretch may be starting where the walk ended); else patience."""
-  would_take = walk.tokens_B.sum() / max(walk.steps_B.sum(), 1)
-  if would_take > max(cost, 1):
+  per step (times `scale`) beat `cost`; patience - 1 (one try) when its last step took a
+  draft (a paying stretch may be starting where the walk ended); else patience."""
+  if walk_rate(walk) * scale > max(cost, 1):
     return 0
   return patience - 1 if np.any(walk.last_taken_B > 1) else patience
 
@@ -226,10 +256,11 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       state.max_new_tokens))
   sequences = row_tokens(tokens, num)
   budget_B = prompt_len_B + max_new_B   # each row's length when done (or a stop token)
+  window = read_window(engine, max_chunk)
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
-  verdict = lambda walk: _unpaid_after(
-      walk, fallback.step_cost() if step_cost is None else step_cost, patience)
+  verdict = lambda walk, scale=1.0: _unpaid_after(
+      walk, fallback.step_cost() if step_cost is None else step_cost, patience, scale)
 
   def judge(since_B):
     """(unpaid, quiet: the walk took no draft) after judging the tokens after since_B."""
@@ -237,11 +268,22 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     return verdict(walk), not walk.took_drafts()
 
   unpaid, ar_chunk, quiet = 0, chunk, False
+  earned = None   # [predicted, tokens, row-steps] of the stretch the prompt's walk earned
   if fallback is not None and prompt_walk is not None:
-    # The prompt is not the target's output: its walk earns speculation, never a try.
-    unpaid = 0 if verdict(prompt_walk) == 0 else patience
+    # The prompt is not the target's output: its walk earns speculation, never a try, at
+    # its rate scaled by what such stretches realised before (`prompt_realised`).
+    unpaid = 0 if verdict(prompt_walk, fallback.prompt_realised) == 0 else patience
     quiet = not prompt_walk.took_drafts()
+    if unpaid == 0:
+      earned = [walk_rate(prompt_walk), 0, 0]
   unjudged = None              # since_B of the AR chunk judged while the next one runs
+
+  def end_earned():
+    """Ends the prompt-earned stretch (the first AR chunk, or the end) and prices it."""
+    nonlocal earned
+    if earned is not None:
+      fallback.realised_after_prompt(*earned)
+      earned = None
 
   def after_ar_chunk(before):
     """Judges the AR chunk committed after `before` (or leaves it to judge while the next
@@ -257,13 +299,13 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
+      end_earned()
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
       if unjudged is not None and ar_chunk < np.max(np.where(done, 0, budget_B - num)):
         unpaid, quiet = judge(unjudged)   # the last chunk, while the device runs this one
       unjudged = None                     # (unless this one ends the generation)
-      # Read back at most what AR committed: ar_chunk tokens per row.
       before = num
-      num, done = _read_back(state, sequences, num, ar_chunk)
+      num, done = _read_back(state, sequences, num, window)
       fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
       after_ar_chunk(before)
       continue
@@ -278,22 +320,31 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
                                           proposal, ar_chunk)
       live = ~done
-      num, done = _read_back(state, sequences, num, width + 1 + ar_chunk)
+      num, done = _read_back(state, sequences, num, window)
       elapsed, committed = time.perf_counter() - t0, np.max(num - before)
+      if earned is not None:
+        earned[1] += int(np.sum(num - before)) if bool(paid) else int(live.sum())
+        earned[2] += int(live.sum())
       if bool(paid):   # the AR chunk ran no step: the call's time is the step's
         unpaid = 0
         fallback.step_s.append(elapsed)
       else:   # each live row committed one token at the step, then the chunk's
+        end_earned()
         unpaid = patience
         if fallback.step_s and committed > 1:   # the chunk's time: the call's less a step's
           fallback.ar_token_s.append(
               (elapsed - statistics.median(fallback.step_s)) / (committed - 1))
         after_ar_chunk(before + live)
       continue
+    live = ~done
     state = engine.step(target_params, drafter_params, state, proposal)
-    num, done = _read_back(state, sequences, num, width + 1)
+    num, done = _read_back(state, sequences, num, window)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
+    if earned is not None:
+      earned[1] += int(np.sum(num - before))
+      earned[2] += int(live.sum())
     unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
+  end_earned()
   host_drafter.finish(sequences)
   return state

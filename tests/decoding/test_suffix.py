@@ -10,9 +10,10 @@ from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, Suff
                                             SuffixTree, speculate)
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine, _programs
-from dspec.decoding.host_loop import (ARFallback, Walk, _try_then_run, _unpaid_after,
-                                      compile_step_widths, generate_host_loop,
-                                      judge_in_retrospect, verify_width)
+from dspec.decoding.host_loop import (ARFallback, Walk, _committed_since, _try_then_run,
+                                      _unpaid_after, compile_step_widths,
+                                      generate_host_loop, judge_in_retrospect,
+                                      verify_width)
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
 
@@ -317,20 +318,21 @@ class _CountingChunks(ARFallback):
 
 
 def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
-                             judge_prompts=True, widths=None, fallbacks=None):
+                             judge_prompts=True, widths=None, fallbacks=None, reuse=None):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
   60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
   `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
   the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
-  proposal); `fallbacks` (a list) the AR fallback (`_CountingChunks`)."""
+  proposal); `fallbacks` (a list) the AR fallback (`_CountingChunks`), or `reuse` it (its
+  counts go on from there)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
   expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
                                                                 lens, max_new_tokens=60)))
   engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
-  fallback = _CountingChunks.of(engine)
+  fallback = reuse or _CountingChunks.of(engine)
   host = make_host(expected)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
   if not judge_prompts:
@@ -363,6 +365,25 @@ def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   assert (steps, chunks) == (0, 3)
 
 
+def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_split):
+  """The repeating prompts' walk earns speculation (two unpaid steps, as above); their
+  stretch realised 1 token per step against the walk's prediction, and the fallback keeps
+  that: the same prompts then earn none (AR chunks only), and the output is still AR's."""
+  suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
+  repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
+  fallbacks = []
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating,
+                                                 fallbacks=fallbacks)
+  assert (steps, chunks) == (2, 3)
+  fallback = fallbacks[0]
+  # 4 row-steps committed 4 tokens, where the walk predicted over 2 (the step's price).
+  assert 0.5 < fallback.prompt_realised < 0.75
+  fallback.calls = 0
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating,
+                                                 reuse=fallback)
+  assert (steps, chunks) == (0, 3)
+
+
 def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
   """Each step verifies the next power of two at or above its longest proposal (at most
   num_draft 4): proposals of 1, 2, 3 drafts take steps of widths 1, 2, 4; the output is
@@ -381,8 +402,9 @@ def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
 
 def test_every_verify_width_compiles_before_the_loop(tiny_split):
   """`compile_step_widths` (the runner's, before the timer starts) compiles the step, and
-  the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4: the loop,
-  stepping at all three, compiles nothing."""
+  the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4, and the
+  read-back: the loop, stepping at all three and running AR chunks, compiles nothing (a
+  compile would land in the loop's step timings, which price the next generations)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -393,14 +415,15 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
   fallback = ARFallback.of(engine)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
   compile_step_widths(engine, params, None, state, fallback)
-  programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine))
+  programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine),
+              _committed_since)
   compiled = [p._cache_size() for p in programs]
   host = _ShorteningHostDrafter([e[1:] for e in expected])
   host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
   state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
                              started=True)
   assert generated_ids(state) == expected
-  assert compiled == [3, 3] and [p._cache_size() for p in programs] == compiled
+  assert compiled[:2] == [3, 3] and [p._cache_size() for p in programs] == compiled
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
