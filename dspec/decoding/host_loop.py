@@ -205,8 +205,9 @@ def compile_step_widths(engine, target_params, drafter_params, state,
                         fallback: Optional[ARFallback] = None, max_chunk: int = 128) -> None:
   """Compiles `engine.step` (with `fallback`, also its `try_then_run`) at every
   `verify_width` not compiled yet (on a copy of `state` with an empty proposal each), the
-  read-back of the loop's `max_chunk` and the fallback's AR chunk, before the loop: no generation then compiles
-  mid-way (the runner calls it; the loop alone compiles each when first used)."""
+  read-back of the loop's `max_chunk` and the fallback's AR chunk, before the loop: no
+  generation then compiles mid-way (the runner calls it; the loop alone compiles each
+  when first used)."""
   ar_engine = None if fallback is None else fallback.engine
   compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}

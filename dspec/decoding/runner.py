@@ -216,9 +216,10 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
   the report gets `speedup` (AR decode time / this decode time; medians), `speedup_rounds`
-  (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's). verify_length: see `speculative_engine` (a mesh `placement` runs
-  'fixed'). debug: generation runs under `jax.transfer_guard('disallow')`, so an implicit
-  host/device transfer is an error.
+  (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's).
+  verify_length: see `speculative_engine` (a mesh `placement` runs 'fixed'). debug:
+  generation runs under `jax.transfer_guard('disallow')`, so an implicit host/device
+  transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
   drafter = drafter or drafter_lib.NoDrafter()
