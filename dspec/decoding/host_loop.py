@@ -203,11 +203,13 @@ def _compiled_widths(engine, ar_engine, tokens_shape) -> set:
 
 def compile_step_widths(engine, target_params, drafter_params, state,
                         fallback: Optional[ARFallback] = None, max_chunk: int = 128) -> None:
-  """Compiles `engine.step` (with `fallback`, also its `try_then_run`) at every
-  `verify_width` not compiled yet (on a copy of `state` with an empty proposal each), the
-  read-back of the loop's `max_chunk` and the fallback's AR chunk, before the loop: no
-  generation then compiles mid-way (the runner calls it; the loop alone compiles each
-  when first used)."""
+  """Compiles and runs `engine.step` (with `fallback`, also its `try_then_run` and AR
+  chunk) at every `verify_width` not compiled yet, and the read-back of the loop's
+  `max_chunk`, before the loop (the runner calls it; the loop alone compiles each when
+  first used): no generation then compiles mid-way. Each runs once on a copy of `state`
+  with a full proposal and an AR step: XLA:CPU's first run of a program's verify or AR
+  loop costs ~70 ms more than later runs, which the loop's timings would keep as a
+  step's price."""
   ar_engine = None if fallback is None else fallback.engine
   compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
@@ -217,13 +219,14 @@ def compile_step_widths(engine, target_params, drafter_params, state,
     _committed_since(state, jax.device_put(np.zeros((b,), np.int32)),   # as `_read_back`
                      read_window(engine, max_chunk))
     if fallback is not None:   # its AR chunks' program
-      fallback.engine.run(target_params, drafter_params, copy(), 0)
+      fallback.engine.run(target_params, drafter_params, copy(), 1)
   for width in sorted(widths - compiled):
-    empty = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.zeros((b,), np.int32)))
-    engine.step(target_params, drafter_params, copy(), empty)
+    full = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.full((b,), width,
+                                                                             np.int32)))
+    engine.step(target_params, drafter_params, copy(), full)
     if ar_engine is not None:
-      _try_then_run(engine, ar_engine)(target_params, drafter_params, copy(), empty,
-                                       device_scalar(0))
+      _try_then_run(engine, ar_engine)(target_params, drafter_params, copy(), full,
+                                       device_scalar(1))
     compiled.add(width)
 
 

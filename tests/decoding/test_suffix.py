@@ -1,6 +1,7 @@
 """Tests for dspec/decoding/drafters/suffix.py: trie counts, speculation, caches, lossless."""
 
 import random
+import time
 
 import jax
 import numpy as np
@@ -400,11 +401,23 @@ def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
   assert np.array_equal(stats.accepted_B, stats.proposed_B) and steps == len(widths)
 
 
+def _first_and_later_ms(run, later: int = 5):
+  """Wall ms of `run()`'s first call and the median of the `later` calls after it."""
+  times = []
+  for _ in range(1 + later):
+    t = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(1e3 * (time.perf_counter() - t))
+  return times[0], float(np.median(times[1:]))
+
+
 def test_every_verify_width_compiles_before_the_loop(tiny_split):
   """`compile_step_widths` (the runner's, before the timer starts) compiles the step, and
   the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4, and the
   read-back: the loop, stepping at all three and running AR chunks, compiles nothing (a
-  compile would land in the loop's step timings, which price the next generations)."""
+  compile would land in the loop's step timings, which price the next generations). Nor
+  does a first run: XLA:CPU's first run of a verify or AR loop cost ~8× a later one here
+  (~10 ms), until `compile_step_widths` ran each with drafts and an AR step."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -418,6 +431,14 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
   programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine),
               _committed_since)
   compiled = [p._cache_size() for p in programs]
+  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4)]
+  for width in (1, 2, 4):
+    drafts = jax.device_put(Proposal(np.ones((2, width), np.int32), np.full((2,), width,
+                                                                            np.int32)))
+    first, later = _first_and_later_ms(lambda: engine.step(params, None, copies.pop(), drafts))
+    assert first < 3 * later + 2, (width, first, later)
+  first, later = _first_and_later_ms(lambda: fallback.run(params, None, copies.pop(), 4))
+  assert first < 3 * later + 2, (first, later)
   host = _ShorteningHostDrafter([e[1:] for e in expected])
   host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
   state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
