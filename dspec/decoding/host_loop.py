@@ -207,27 +207,30 @@ def compile_step_widths(engine, target_params, drafter_params, state,
   chunk) at every `verify_width` not compiled yet, and the read-back of the loop's
   `max_chunk`, before the loop (the runner calls it; the loop alone compiles each when
   first used): no generation then compiles mid-way. Each runs once on a copy of `state`
-  with a full proposal and an AR step: XLA:CPU's first run of a program's verify or AR
-  loop costs ~70 ms more than later runs, which the loop's timings would keep as a
-  step's price."""
+  with a full proposal and an AR step, and is waited for: XLA:CPU's first run of a
+  program's verify or AR loop costs ~70 ms more than later runs here, and so do runs still
+  queued on the device when the loop starts; the loop's timings would keep either as the
+  price of a step."""
   ar_engine = None if fallback is None else fallback.engine
   compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
   b = state.tokens_BL.shape[0]
   copy = lambda: jax.tree.map(lambda x: x.copy(), state)
+  runs = []
   if widths - compiled:
-    _committed_since(state, jax.device_put(np.zeros((b,), np.int32)),   # as `_read_back`
-                     read_window(engine, max_chunk))
+    runs.append(_committed_since(state, jax.device_put(np.zeros((b,), np.int32)),
+                                 read_window(engine, max_chunk)))   # as `_read_back`
     if fallback is not None:   # its AR chunks' program
-      fallback.engine.run(target_params, drafter_params, copy(), 1)
+      runs.append(fallback.engine.run(target_params, drafter_params, copy(), 1))
   for width in sorted(widths - compiled):
     full = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.full((b,), width,
                                                                              np.int32)))
-    engine.step(target_params, drafter_params, copy(), full)
+    runs.append(engine.step(target_params, drafter_params, copy(), full))
     if ar_engine is not None:
-      _try_then_run(engine, ar_engine)(target_params, drafter_params, copy(), full,
-                                       device_scalar(1))
+      runs.append(_try_then_run(engine, ar_engine)(target_params, drafter_params, copy(),
+                                                   full, device_scalar(1)))
     compiled.add(width)
+  jax.block_until_ready(runs)   # else they run on into the caller's timed loop
 
 
 def walk_rate(walk: Walk) -> float:

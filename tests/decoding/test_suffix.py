@@ -416,8 +416,9 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
   the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4, and the
   read-back: the loop, stepping at all three and running AR chunks, compiles nothing (a
   compile would land in the loop's step timings, which price the next generations). Nor
-  does a first run: XLA:CPU's first run of a verify or AR loop cost ~8× a later one here
-  (~10 ms), until `compile_step_widths` ran each with drafts and an AR step."""
+  does a first run, or its warm-up runs still on the device: XLA:CPU's first run of a
+  verify or AR loop cost ~8× a later one here (~10 ms), until `compile_step_widths` ran
+  each with drafts and an AR step and waited for them."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -427,11 +428,12 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
                                                              cache_id='test_widths'))
   fallback = ARFallback.of(engine)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
+  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4)]
+  jax.block_until_ready(copies)
   compile_step_widths(engine, params, None, state, fallback)
   programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine),
               _committed_since)
   compiled = [p._cache_size() for p in programs]
-  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4)]
   for width in (1, 2, 4):
     drafts = jax.device_put(Proposal(np.ones((2, width), np.int32), np.full((2,), width,
                                                                             np.int32)))
