@@ -29,6 +29,9 @@ ended); other walks, no step: scattered acceptances at T > 0 do not buy tries.
 A step whose rejection sends the loop to AR (such a try, or a stretch's last unpaid step)
 carries the AR chunk along in the same device call (`ARFallback.try_then_run`: the chunk
 runs only if no row accepted a draft), so a rejected try costs its verify, not a round trip.
+A proposal that could not pay for its step even if accepted whole (1 + its longest draft
+at most the step's price; an empty one, always) is not verified: no try then (AR chunks),
+and in a stretch an AR step, an unpaid one (a verify of width 1 costs ~3 AR steps here).
 The prompts are judged so before the first step (`start_host_drafter`), but earn no try:
 the prompt is not the target's output, and the first AR chunk is judged right away. Nor
 is a prompt's walk taken at its word: its tokens per step are scaled by what the stretches
@@ -266,8 +269,8 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   window = read_window(engine, max_chunk)
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
-  verdict = lambda walk, scale=1.0: _unpaid_after(
-      walk, fallback.step_cost() if step_cost is None else step_cost, patience, scale)
+  cost = lambda: fallback.step_cost() if step_cost is None else step_cost
+  verdict = lambda walk, scale=1.0: _unpaid_after(walk, cost(), patience, scale)
 
   def judge(since_B):
     """(unpaid, quiet: the walk took no draft) after judging the tokens after since_B."""
@@ -284,6 +287,12 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     if unpaid == 0:
       earned = [walk_rate(prompt_walk), 0, 0]
   unjudged = None              # since_B of the AR chunk judged while the next one runs
+
+  def count_earned(tokens, row_steps):
+    """Adds a call's committed tokens and live row-steps to the prompt-earned stretch."""
+    if earned is not None:
+      earned[1] += int(tokens)
+      earned[2] += int(row_steps)
 
   def end_earned():
     """Ends the prompt-earned stretch (the first AR chunk, or the end) and prices it."""
@@ -318,20 +327,29 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       continue
     quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
-    width = verify_width(int(np.max(num_B, initial=0)), engine.num_draft)
+    longest = int(np.max(num_B, initial=0))
+    before, live = num, ~done
+    if fallback is not None and 1 + longest <= cost():
+      # Not even accepted whole would this proposal pay for a step: no try (AR chunks
+      # next), or one AR step in a stretch.
+      if unpaid == patience - 1:
+        unpaid = patience
+        continue
+      state = fallback.run(target_params, drafter_params, state, 1)
+      num, done = _read_back(state, sequences, num, window)
+      count_earned(np.sum(num - before), live.sum())
+      unpaid += 1
+      continue
+    width = verify_width(longest, engine.num_draft)
     proposal = jax.device_put(Proposal(np.asarray(tokens_BG, np.int32)[:, :width],
                                        np.asarray(num_B, np.int32)))
-    before = num
     if fallback is not None and unpaid == patience - 1:
       # A rejected proposal sends the loop to AR: the AR chunk runs in the same call.
       state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
                                           proposal, ar_chunk)
-      live = ~done
       num, done = _read_back(state, sequences, num, window)
       elapsed, committed = time.perf_counter() - t0, np.max(num - before)
-      if earned is not None:
-        earned[1] += int(np.sum(num - before)) if bool(paid) else int(live.sum())
-        earned[2] += int(live.sum())
+      count_earned(np.sum(num - before) if bool(paid) else live.sum(), live.sum())
       if bool(paid):   # the AR chunk ran no step: the call's time is the step's
         unpaid = 0
         fallback.step_s.append(elapsed)
@@ -343,14 +361,11 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
               (elapsed - statistics.median(fallback.step_s)) / (committed - 1))
         after_ar_chunk(before + live)
       continue
-    live = ~done
     state = engine.step(target_params, drafter_params, state, proposal)
     num, done = _read_back(state, sequences, num, window)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
-    if earned is not None:
-      earned[1] += int(np.sum(num - before))
-      earned[2] += int(live.sum())
+    count_earned(np.sum(num - before), live.sum())
     unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
   end_earned()
   host_drafter.finish(sequences)

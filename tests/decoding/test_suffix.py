@@ -318,7 +318,7 @@ class _CountingChunks(ARFallback):
     return state, paid
 
 
-def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
+def _host_loop_with_fallback(tiny_split, make_host, step_cost=1.5, prompts=None,
                              judge_prompts=True, widths=None, fallbacks=None, reuse=None):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
@@ -353,34 +353,35 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=2.0, prompts=None,
 def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   """A drafter that proposes nothing: AR chunks from the start (4 + 16 + 39 tokens: they
   grow 4× while judged walks take nothing), not a step. Suffix decoding on prompts that
-  repeat: their walk beats a step priced at 2 AR steps, so the loop speculates at once
-  (two unpaid steps on this target's output, then AR chunks); priced at 100 AR steps, the
-  walk took drafts, but too few, and a prompt earns no try step (a chunk walk would)."""
+  repeat: their walk beats a step priced at 1.5 AR steps, so the loop speculates at once
+  (on this target's output it proposes nothing, which would not pay for a verify: an AR
+  step, then no try, and AR chunks); priced at 100 AR steps, the walk took drafts, but too
+  few, and a prompt earns no try step (a chunk walk would): AR chunks only."""
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
   assert (steps, chunks) == (0, 3)
   suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
   repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating)
-  assert (steps, chunks) == (2, 3)
+  assert (steps, chunks) == (0, 1 + 3)
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 100.0, prompts=repeating)
   assert (steps, chunks) == (0, 3)
 
 
 def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_split):
-  """The repeating prompts' walk earns speculation (two unpaid steps, as above); their
-  stretch realised 1 token per step against the walk's prediction, and the fallback keeps
-  that: the same prompts then earn none (AR chunks only), and the output is still AR's."""
+  """The repeating prompts' walk earns speculation (an AR step, as above); their stretch
+  realised 1 token per step against the walk's prediction, and the fallback keeps that:
+  the same prompts then earn none (AR chunks only), and the output is still AR's."""
   suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
   repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
   fallbacks = []
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating,
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 2.0, prompts=repeating,
                                                  fallbacks=fallbacks)
-  assert (steps, chunks) == (2, 3)
+  assert (steps, chunks) == (0, 1 + 3)
   fallback = fallbacks[0]
-  # 4 row-steps committed 4 tokens, where the walk predicted over 2 (the step's price).
+  # 2 row-steps committed 2 tokens, where the walk predicted over 2 (the step's price).
   assert 0.5 < fallback.prompt_realised < 0.75
   fallback.calls = 0
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating,
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 2.0, prompts=repeating,
                                                  reuse=fallback)
   assert (steps, chunks) == (0, 3)
 
@@ -388,7 +389,8 @@ def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_sp
 def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
   """Each step verifies the next power of two at or above its longest proposal (at most
   num_draft 4): proposals of 1, 2, 3 drafts take steps of widths 1, 2, 4; the output is
-  AR's and every draft is accepted."""
+  AR's and every draft is accepted. A proposal that could not pay for its step even if
+  accepted whole is not verified."""
   assert [verify_width(n, 16) for n in range(18)] == [1, 1, 2] + [4] * 2 + [8] * 4 + [16] * 9
   assert verify_width(5, 6) == 6
   widths = []
@@ -399,6 +401,12 @@ def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
   assert all(w == verify_width(n, 4) for w, n in widths), widths
   stats = jax.device_get(state.stats)
   assert np.array_equal(stats.accepted_B, stats.proposed_B) and steps == len(widths)
+  # Priced at 2 AR steps, a 1-draft proposal could not pay for a verify: an AR step instead.
+  widths = []
+  _host_loop_with_fallback(
+      tiny_split, lambda ar_ids: _ShorteningHostDrafter([e[1:] for e in ar_ids]), 2.0,
+      judge_prompts=False, widths=widths)
+  assert widths[:4] == [(2, 2), (4, 3)] * 2 and (1, 1) not in widths
 
 
 def _first_and_later_ms(run, later: int = 5):
@@ -452,8 +460,9 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter(),
                                                  judge_prompts=False)
-  # Two unpaid steps, then AR chunks of 4, 16, 37 tokens (57 to go), never a try.
-  assert (steps, chunks) == (2, 3)
+  # Empty proposals would not pay for a verify: an AR step (unpaid), no try, then AR
+  # chunks of 4, 16, 38 tokens (58 to go); never a verify step.
+  assert (steps, chunks) == (0, 1 + 3)
 
 
 class _HostDrafterFrom(_SilentHostDrafter):
@@ -510,12 +519,13 @@ def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
   """Right drafts from token 2 to 29, wrong ones elsewhere: two unpaid steps (tokens 0,
   1); an AR chunk of 4 (2-5, judged: 4 tokens in 1 step, over the step's price of 2);
   five steps (6-30), two unpaid ones (31, 32) and AR chunks again from 4: 4 (judged:
-  nothing taken), 16, 6. Priced at 100 AR steps, the walk over the 4 earns one step
-  instead, which pays, and the chunks go on growing from there: 8, 18. Each second unpaid
+  nothing taken), 16, 6. Priced at 4.5 AR steps (a step with 4 drafts could still pay),
+  the walk over the 4 earns one step instead, which pays, and the chunks go on growing from
+  there: 8, 18. Each second unpaid
   step, and the walk's step, carries its AR chunk along in one device call; run only
   where the step was rejected."""
   make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 2, 30)
-  for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (100.0, 3, 3)):
+  for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (4.5, 3, 3)):
     fallbacks = []
     state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost,
                                                        judge_prompts=False,
