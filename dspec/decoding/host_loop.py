@@ -16,10 +16,12 @@ proposal at every committed length of the chunk's last `walk_tail` tokens is wal
 against what AR committed, as verify steps would have taken it (for a point-mass draft,
 AR sampling the draft token has the acceptance probability). The verdict is about now,
 and on a CPU the host's work shares the cores with the device's.
-Once a walk took no draft at all, the chunks grow 4× instead of 2× and are judged while
-the device runs the chunk after them (their verdict acts a chunk late, the host work is
-hidden; not at all under a chunk that ends the generation, where it could not act): with
-~1.5 ms per device call at B = 1 here, fewer calls is what AR parity needs.
+Once a walk took no draft at all, the chunks grow 4× instead of 2×, and each is queued
+behind the one before it, which is then read back and judged while the device runs it
+(the device never waits on the host between them; their verdict acts a chunk late; none
+under a chunk that ends the generation, where it could not act): with ~1.5 ms per device
+call and ~1-2 ms per idle wait at B = 1 here, fewer calls and no waits are what AR parity
+needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
@@ -125,14 +127,25 @@ def read_window(engine, max_chunk: int) -> int:
   return engine.num_draft + 1 + max_chunk
 
 
-def _read_back(state, sequences, num, width):
-  """Appends what was committed since `num` (at most `width` per row) to `sequences`;
-  returns (num, done)."""
-  new_BW, new_num, done = jax.device_get(
-      _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
+def _queue_read_back(state, num, width):
+  """The read-back of what was committed since `num` (at most `width` per row), queued on
+  the device (`_take_read_back` fetches it)."""
+  return _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width)
+
+
+def _take_read_back(queued, sequences, num):
+  """Appends a queued read-back's tokens (committed since `num`) to `sequences`; returns
+  (num, done)."""
+  new_BW, new_num, done = jax.device_get(queued)
   for b, seq in enumerate(sequences):
     seq.extend(new_BW[b, :new_num[b] - num[b]].tolist())
   return new_num, done
+
+
+def _read_back(state, sequences, num, width):
+  """Appends what was committed since `num` (at most `width` per row) to `sequences`;
+  returns (num, done)."""
+  return _take_read_back(_queue_read_back(state, num, width), sequences, num)
 
 
 class Walk(NamedTuple):
@@ -286,7 +299,8 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     quiet = not prompt_walk.took_drafts()
     if unpaid == 0:
       earned = [walk_rate(prompt_walk), 0, 0]
-  unjudged = None              # since_B of the AR chunk judged while the next one runs
+  queued = None   # (read-back, dispatch time) of a quiet AR chunk, taken during the next
+  taken_at = 0.0  # when the last AR chunk was taken (a queued chunk starts after it)
 
   def count_earned(tokens, row_steps):
     """Adds a call's committed tokens and live row-steps to the prompt-earned stretch."""
@@ -301,29 +315,41 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       fallback.realised_after_prompt(*earned)
       earned = None
 
+  def take_ar_chunk(read_back, dispatched):
+    """Takes an AR chunk's read-back and times its tokens (from its dispatch, or the last
+    chunk's end when it was queued behind it); returns since_B."""
+    nonlocal num, done, taken_at
+    before = num
+    num, done = _take_read_back(read_back, sequences, num)
+    started, taken_at = max(dispatched, taken_at), time.perf_counter()
+    fallback.ar_token_s.append((taken_at - started) / max(np.max(num - before), 1))
+    return before
+
   def after_ar_chunk(before):
-    """Judges the AR chunk committed after `before` (or leaves it to judge while the next
-    one runs, when quiet); sets the next chunk's length."""
-    nonlocal unpaid, quiet, unjudged, ar_chunk
-    if unpaid >= patience and not done.all():   # no verdict to speculate: judge this chunk
-      if quiet:
-        unjudged = before      # while the next chunk runs
-      else:
-        unpaid, quiet = judge(before)
-    ar_chunk = chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
+    """Judges the AR chunk committed after `before` (unless quiet: then the next chunk is
+    queued and this one judged while it runs); returns the next chunk's length."""
+    nonlocal unpaid, quiet
+    if unpaid >= patience and not done.all() and not quiet:
+      unpaid, quiet = judge(before)
+    return chunk if unpaid == 0 else min((4 if quiet else 2) * ar_chunk, max_chunk)
 
   while not done.all():
     t0 = time.perf_counter()
     if fallback is not None and unpaid >= patience:
       end_earned()
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
-      if unjudged is not None and ar_chunk < np.max(np.where(done, 0, budget_B - num)):
-        unpaid, quiet = judge(unjudged)   # the last chunk, while the device runs this one
-      unjudged = None                     # (unless this one ends the generation)
-      before = num
-      num, done = _read_back(state, sequences, num, window)
-      fallback.ar_token_s.append((time.perf_counter() - t0) / max(np.max(num - before), 1))
-      after_ar_chunk(before)
+      remaining = np.max(np.where(done, 0, budget_B - num))
+      if queued is not None:   # the last chunk: taken and judged while this one runs
+        before = take_ar_chunk(*queued)
+        remaining = np.max(np.where(done, 0, budget_B - num))
+        if ar_chunk < remaining:   # (unless this one ends the generation)
+          unpaid, quiet = judge(before)
+      queued = (_queue_read_back(state, num, window), t0)
+      if quiet and unpaid >= patience and ar_chunk < remaining:
+        ar_chunk = min(4 * ar_chunk, max_chunk)   # queued behind this one: no device idle
+        continue
+      ar_chunk = after_ar_chunk(take_ar_chunk(*queued))
+      queued = None
       continue
     quiet = False
     tokens_BG, num_B = host_drafter.propose(sequences, ~done)
@@ -359,7 +385,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
         if fallback.step_s and committed > 1:   # the chunk's time: the call's less a step's
           fallback.ar_token_s.append(
               (elapsed - statistics.median(fallback.step_s)) / (committed - 1))
-        after_ar_chunk(before + live)
+        ar_chunk = after_ar_chunk(before + live)
       continue
     state = engine.step(target_params, drafter_params, state, proposal)
     num, done = _read_back(state, sequences, num, window)

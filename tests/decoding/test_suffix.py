@@ -9,6 +9,7 @@ import pytest
 
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
+from dspec.decoding import host_loop
 from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.engine import SpeculativeEngine, _programs
 from dspec.decoding.host_loop import (ARFallback, Walk, _committed_since, _try_then_run,
@@ -455,6 +456,20 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
                              started=True)
   assert generated_ids(state) == expected
   assert compiled[:2] == [3, 3] and [p._cache_size() for p in programs] == compiled
+
+
+def test_quiet_ar_chunks_queue_behind_each_other(tiny_split, monkeypatch):
+  """A drafter that proposes nothing, prompts judged: AR chunks of 4, 16, 39, each queued
+  before the one before it is read back (the device never waits on the host between
+  them); the last, which ends the generation, is read back at once."""
+  events = []
+  take, run = host_loop._take_read_back, _CountingChunks.run
+  monkeypatch.setattr(host_loop, '_take_read_back',
+                      lambda *a: (events.append('take'), take(*a))[1])
+  monkeypatch.setattr(_CountingChunks, 'run',
+                      lambda self, *a: (events.append('run'), run(self, *a))[1])
+  _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
+  assert events == ['run', 'run', 'take', 'run', 'take', 'take']
 
 
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
