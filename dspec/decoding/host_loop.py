@@ -24,8 +24,8 @@ call and ~1-2 ms per idle wait at B = 1 here, fewer calls and no waits are what 
 needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
-steps over that of its recent AR tokens, kept by the `ARFallback` across generations (a
-warm-up run prices the next runs). A walk that took too few drafts but whose last step
+steps over that of its recent AR tokens, kept by the `ARFallback` across generations
+(`ARFallback.price` times one of each before the first). A walk that took too few drafts but whose last step
 took one earns one speculative step now (a paying stretch may be starting where it
 ended); other walks, no step: scattered acceptances at T > 0 do not buy tries.
 A step whose rejection sends the loop to AR (such a try, or a stretch's last unpaid step)
@@ -92,6 +92,25 @@ class ARFallback:
     accepted a draft, in one device call; (state, whether a draft was accepted)."""
     return _try_then_run(engine, self.engine)(target_params, drafter_params, state,
                                               proposal, device_scalar(int(max_steps)))
+
+  def price(self, engine, target_params, drafter_params, state, ar_steps: int = 8) -> None:
+    """Times a step of `engine` verifying a full proposal, and `ar_steps` AR steps in one
+    call, on copies of `state` (compiled already: `compile_step_widths`), unless a step was
+    timed before: the first generation then prices its steps as later ones do (not at 1 AR
+    step, which makes every prompt's walk earn speculation)."""
+    if self.step_s:
+      return
+    b, width = state.tokens_BL.shape[0], engine.num_draft
+    full = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.full((b,), width,
+                                                                             np.int32)))
+    for run, record, n in (
+        (lambda s: engine.step(target_params, drafter_params, s, full), self.step_s, 1),
+        (lambda s: self.engine.run(target_params, drafter_params, s, ar_steps),
+         self.ar_token_s, ar_steps)):
+      copy = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
+      t = time.perf_counter()
+      jax.block_until_ready(run(copy))
+      record.append((time.perf_counter() - t) / n)
 
   def step_cost(self) -> float:
     """A speculative step's cost in AR tokens (medians; 1.0 until both were timed)."""

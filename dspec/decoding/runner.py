@@ -92,7 +92,8 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
   while they stop paying; their set-up over the prompts (suffix tries) runs while the
   device prefills, as a server starts a request's host state on arrival, and the first
-  run compiles the loop's step at every verify width (`compile_step_widths`)."""
+  run compiles the loop's step at every verify width (`compile_step_widths`) and prices a
+  step against AR's (`ARFallback.price`)."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
@@ -101,6 +102,8 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   if host is not None:
     compile_step_widths(engine, target_params, drafter_params, state,   # first run only
                         host_fallback)
+    if host_fallback is not None:
+      host_fallback.price(engine, target_params, drafter_params, state)
     prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
                                                       np.asarray(prompt_len_B)),
                                      judge=host_fallback is not None)

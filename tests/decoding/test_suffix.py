@@ -427,7 +427,8 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
   compile would land in the loop's step timings, which price the next generations). Nor
   does a first run, or its warm-up runs still on the device: XLA:CPU's first run of a
   verify or AR loop cost ~8× a later one here (~10 ms), until `compile_step_widths` ran
-  each with drafts and an AR step and waited for them."""
+  each with drafts and an AR step and waited for them. A fresh fallback then prices a step
+  against AR's once (`ARFallback.price`)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
@@ -437,7 +438,7 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
                                                              cache_id='test_widths'))
   fallback = ARFallback.of(engine)
   state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
-  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4)]
+  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4 + 2)]
   jax.block_until_ready(copies)
   compile_step_widths(engine, params, None, state, fallback)
   programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine),
@@ -456,6 +457,11 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
                              started=True)
   assert generated_ids(state) == expected
   assert compiled[:2] == [3, 3] and [p._cache_size() for p in programs] == compiled
+  # A fresh fallback prices a step against AR's before its first generation, once.
+  fresh = ARFallback.of(engine)
+  for _ in range(2):
+    fresh.price(engine, params, None, copies.pop())
+    assert len(fresh.step_s) == len(fresh.ar_token_s) == 1 and fresh.step_cost() > 1
 
 
 def test_quiet_ar_chunks_queue_behind_each_other(tiny_split, monkeypatch):
