@@ -25,9 +25,10 @@ needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations
-(`ARFallback.price` times one of each before the first). A walk that took too few drafts but whose last step
-took one earns one speculative step now (a paying stretch may be starting where it
-ended); other walks, no step: scattered acceptances at T > 0 do not buy tries.
+(`ARFallback.price` times one of each before the first). A walk that took too few drafts
+but whose last step took one earns one speculative step now (a paying stretch may be
+starting where it ended); other walks, no step: scattered acceptances at T > 0 do not buy
+tries.
 A step whose rejection sends the loop to AR (such a try, or a stretch's last unpaid step)
 carries the AR chunk along in the same device call (`ARFallback.try_then_run`: the chunk
 runs only if no row accepted a draft), so a rejected try costs its verify, not a round trip.
