@@ -101,9 +101,7 @@ class ARFallback:
     step, which makes every prompt's walk earn speculation)."""
     if self.step_s:
       return
-    b, width = state.tokens_BL.shape[0], engine.num_draft
-    full = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.full((b,), width,
-                                                                             np.int32)))
+    full = _full_proposal(state.tokens_BL.shape[0], engine.num_draft)
     for run, record, n in (
         (lambda s: engine.step(target_params, drafter_params, s, full), self.step_s, 1),
         (lambda s: self.engine.run(target_params, drafter_params, s, ar_steps),
@@ -118,6 +116,13 @@ class ARFallback:
     if not self.step_s or not self.ar_token_s:
       return 1.0
     return statistics.median(self.step_s) / statistics.median(self.ar_token_s)
+
+
+def _full_proposal(batch: int, width: int) -> Proposal:
+  """`width` drafts (token 0) for each of `batch` rows, on device: a step that runs every
+  path of its verify (warm-up, pricing)."""
+  return jax.device_put(Proposal(np.zeros((batch, width), np.int32),
+                                 np.full((batch,), width, np.int32)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -259,8 +264,7 @@ def compile_step_widths(engine, target_params, drafter_params, state,
     if fallback is not None:   # its AR chunks' program
       runs.append(fallback.engine.run(target_params, drafter_params, copy(), 1))
   for width in sorted(widths - compiled):
-    full = jax.device_put(Proposal(np.zeros((b, width), np.int32), np.full((b,), width,
-                                                                             np.int32)))
+    full = _full_proposal(b, width)
     runs.append(engine.step(target_params, drafter_params, copy(), full))
     if ar_engine is not None:
       runs.append(_try_then_run(engine, ar_engine)(target_params, drafter_params, copy(),
@@ -358,12 +362,12 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     if fallback is not None and unpaid >= patience:
       end_earned()
       state = fallback.run(target_params, drafter_params, state, ar_chunk)
+      # The last chunk, if queued: taken, and judged while this one runs (unless this one
+      # ends the generation).
+      before = None if queued is None else take_ar_chunk(*queued)
       remaining = np.max(np.where(done, 0, budget_B - num))
-      if queued is not None:   # the last chunk: taken and judged while this one runs
-        before = take_ar_chunk(*queued)
-        remaining = np.max(np.where(done, 0, budget_B - num))
-        if ar_chunk < remaining:   # (unless this one ends the generation)
-          unpaid, quiet = judge(before)
+      if before is not None and ar_chunk < remaining:
+        unpaid, quiet = judge(before)
       queued = (_queue_read_back(state, num, window), t0)
       if quiet and unpaid >= patience and ar_chunk < remaining:
         ar_chunk = min(4 * ar_chunk, max_chunk)   # queued behind this one: no device idle
