@@ -16,7 +16,9 @@ proposal at every committed length of the chunk's last `walk_tail` tokens is wal
 against what AR committed, as verify steps would have taken it (for a point-mass draft,
 AR sampling the draft token has the acceptance probability). The verdict is about now,
 and on a CPU the host's work shares the cores with the device's.
-Once a walk took no draft at all, the chunks grow 4× instead of 2×, and each is queued
+Once a walk took no draft at all (is quiet), or once none of the fallback's recent chunk
+judges earned a step (`ARFallback.judges_barren`: at T > 0 walks that take a few drafts
+rarely precede a stretch that pays), the chunks grow 4× instead of 2×, and each is queued
 behind the one before it, which is then read back and judged while the device runs it
 (the device never waits on the host between them; their verdict acts a chunk late; none
 under a chunk that ends the generation, where it could not act): with ~1.5 ms per device
@@ -65,11 +67,19 @@ class ARFallback:
   """The host loop's plain-AR engine (`engine` verifying nothing) and the loop's recent
   wall times (a speculative step; an AR token), kept across generations."""
 
-  def __init__(self, engine, window: int = 64):
+  def __init__(self, engine, window: int = 64, judge_window: int = 16):
     self.engine = engine
     self.step_s = collections.deque(maxlen=window)
     self.ar_token_s = collections.deque(maxlen=window)
     self.prompt_realised = 1.0   # EMA of realised / predicted tokens per prompt-earned step
+    # Per AR-chunk judge: whether it earned a verified step that accepted a draft.
+    self.judges_earned = collections.deque(maxlen=judge_window)
+
+  def judges_barren(self) -> bool:
+    """Whether none of the last `judge_window` AR-chunk judges earned a step that paid (a
+    full window): the loop then takes every walk as quiet."""
+    earned = self.judges_earned
+    return len(earned) == earned.maxlen and not any(earned)
 
   def realised_after_prompt(self, predicted: float, tokens: int, steps: int) -> None:
     """Adds a prompt-earned stretch (`tokens` committed by live rows in `steps` row-steps,
@@ -310,17 +320,31 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   verdict = lambda walk, scale=1.0: _unpaid_after(walk, cost(), patience, scale)
 
   def judge(since_B):
-    """(unpaid, quiet: the walk took no draft) after judging the tokens after since_B."""
+    """(unpaid, quiet: the walk took no draft, or the recent judges were barren) after
+    judging the AR chunk committed after since_B."""
+    nonlocal pending
     walk = judge_in_retrospect(host_drafter, sequences, since_B, walk_tail)
-    return verdict(walk), not walk.took_drafts()
+    unpaid_after = verdict(walk)
+    pending = unpaid_after < patience   # else it earned nothing
+    if not pending:
+      fallback.judges_earned.append(False)
+    return unpaid_after, not walk.took_drafts() or fallback.judges_barren()
+
+  def resolve(paid):
+    """Records whether the step a chunk judge earned (if pending) accepted a draft."""
+    nonlocal pending
+    if pending:
+      fallback.judges_earned.append(bool(paid))
+      pending = False
 
   unpaid, ar_chunk, quiet = 0, chunk, False
+  pending = False   # a chunk judge earned a step not yet verified (`resolve`)
   earned = None   # [predicted, tokens, row-steps] of the stretch the prompt's walk earned
   if fallback is not None and prompt_walk is not None:
     # The prompt is not the target's output: its walk earns speculation, never a try, at
     # its rate scaled by what such stretches realised before (`prompt_realised`).
     unpaid = 0 if verdict(prompt_walk, fallback.prompt_realised) == 0 else patience
-    quiet = not prompt_walk.took_drafts()
+    quiet = not prompt_walk.took_drafts() or fallback.judges_barren()
     if unpaid == 0:
       earned = [walk_rate(prompt_walk), 0, 0]
   queued = None   # (read-back, dispatch time) of a quiet AR chunk, taken during the next
@@ -384,6 +408,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       # next), or one AR step in a stretch.
       if unpaid == patience - 1:
         unpaid = patience
+        resolve(False)
         continue
       state = fallback.run(target_params, drafter_params, state, 1)
       num, done = _read_back(state, sequences, num, window)
@@ -400,6 +425,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       num, done = _read_back(state, sequences, num, window)
       elapsed, committed = time.perf_counter() - t0, np.max(num - before)
       count_earned(np.sum(num - before) if bool(paid) else live.sum(), live.sum())
+      resolve(paid)
       if bool(paid):   # the AR chunk ran no step: the call's time is the step's
         unpaid = 0
         fallback.step_s.append(elapsed)
@@ -416,6 +442,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
     count_earned(np.sum(num - before), live.sum())
+    resolve(np.any(num - before > 1))
     unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
   end_earned()
   host_drafter.finish(sequences)

@@ -127,6 +127,28 @@ def test_context_nodes_kept_as_a_request_grows_equal_fresh_lookups(vocab, depth)
     assert cache.speculate(request, 4) == (other if other[1] > own[1] else own)
 
 
+def test_speculation_stops_at_the_first_match_with_no_continuation():
+  """`speculate` stops at the first match length whose node has no children; its drafts
+  equal those of scoring every match length (random tries, after evictions too)."""
+  rng = random.Random(3)
+
+  def every_match(tree, context, max_draft):
+    best = ([], 0.0)
+    for m, node in enumerate(tree.suffix_nodes(context), 1):
+      drafted = tree.most_frequent_path(node, min(max_draft, m), 0.1)
+      best = drafted if drafted[1] >= best[1] else best
+    return best
+
+  for vocab in (2, 3, 6):
+    tree = SuffixTree(max_depth=8)
+    for i in range(6):
+      tree.extend(i, [rng.randrange(vocab) for _ in range(rng.randrange(5, 40))])
+    tree.remove(1)
+    for _ in range(40):
+      context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+      assert speculate(tree, context, 6) == every_match(tree, context, 6)
+
+
 def test_global_tree_serves_a_later_request():
   cache = SuffixCache(max_depth=8, max_cached_requests=4)
   first = cache.start_request([1, 2, 3])
@@ -516,6 +538,45 @@ class _ShorteningHostDrafter(_HostDrafterFrom):
     return tokens, np.minimum(num, 1 + (self.calls - 1) % 3)
 
 
+class _SparselyRightHostDrafter(_HostDrafterFrom):
+  """Drafts 4 wrong tokens, but AR's next token first at every third position: walks take
+  a draft now and then (never quiet), too few to pay."""
+
+  def __init__(self, expected):
+    super().__init__(expected, right_from=99)
+
+  def propose(self, sequences, live):
+    tokens, num = super().propose(sequences, live)
+    for b, seq in enumerate(sequences):
+      done = len(seq) - len(self.sequences[b])
+      if live[b] and done % 3 == 0 and done < len(self.expected[b]):
+        tokens[b, 0] = self.expected[b][done]
+    return tokens, num
+
+
+def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
+  """Walks that take a few drafts, priced at 100 AR steps (none pays): after the AR step
+  of the stretch, the chunks grow 2× (4, 8, 16, 32), each judged at once; with a full
+  window of barren judges in the fallback, they grow 4× and queue (4, 16, 64), as when
+  walks take nothing."""
+  for barren, expected in ((False, [1, 4, 8, 16, 32]), (True, [1, 4, 16, 64])):
+    lengths = []
+
+    class Recording(_CountingChunks):
+      def run(self, target_params, drafter_params, state, max_steps):
+        lengths.append(max_steps)
+        return super().run(target_params, drafter_params, state, max_steps)
+
+    fallback = Recording.of(SpeculativeEngine(tiny_split[0],
+                                              drafter=SuffixDrafter(num_draft=4)))
+    fallback.judges_earned.extend([False] * barren * fallback.judges_earned.maxlen)
+    assert fallback.judges_barren() == barren
+    _host_loop_with_fallback(tiny_split,
+                             lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids]),
+                             100.0, judge_prompts=False, reuse=fallback)
+    assert lengths == expected and not any(fallback.judges_earned)
+
+
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones, and judged in retrospect after each
   AR chunk they never win speculation back."""
@@ -544,7 +605,8 @@ def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
   the walk over the 4 earns one step instead, which pays, and the chunks go on growing from
   there: 8, 18. Each second unpaid
   step, and the walk's step, carries its AR chunk along in one device call; run only
-  where the step was rejected."""
+  where the step was rejected. The fallback records each chunk judge's outcome: the first
+  earned a step that paid, the last earned none."""
   make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 2, 30)
   for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (4.5, 3, 3)):
     fallbacks = []
@@ -552,4 +614,6 @@ def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
                                                        judge_prompts=False,
                                                        fallbacks=fallbacks)
     assert chunks == expected_chunks and fallbacks[0].tries == expected_tries
+    # The judge over the first chunk earned a step that paid; the last judge, none.
+    assert list(fallbacks[0].judges_earned) == [True, False]
     assert steps == 2 + 5 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0

@@ -205,9 +205,13 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_draft: int,
 def speculate_from(tree: SuffixTree, nodes: Sequence[int], max_draft: int,
                    min_token_prob: float = 0.1, max_spec_factor: float = 1.0,
                    max_spec_offset: float = 0.0) -> Tuple[List[int], float]:
-  """`speculate` given the context's `suffix_nodes` (nodes[m - 1]: its last m tokens')."""
+  """`speculate` given the context's `suffix_nodes` (nodes[m - 1]: its last m tokens').
+  Stops at the first m whose node has no children: every occurrence of the last m + 1
+  tokens is one of the last m, so no deeper node has any either (their drafts are empty)."""
   best_tokens, best_score = [], 0.0
   for m, node in enumerate(nodes, 1):
+    if not tree.children(node):
+      break
     max_tokens = min(max_draft, int(max_spec_factor * m + max_spec_offset + 1e-6))
     tokens, score = tree.most_frequent_path(node, max_tokens, min_token_prob)
     if score >= best_score:
