@@ -423,10 +423,10 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
                                           proposal, ar_chunk)
       num, done = _read_back(state, sequences, num, window)
-      elapsed, committed = time.perf_counter() - t0, np.max(num - before)
-      count_earned(np.sum(num - before) if bool(paid) else live.sum(), live.sum())
+      elapsed, committed, paid = time.perf_counter() - t0, np.max(num - before), bool(paid)
+      count_earned(np.sum(num - before) if paid else live.sum(), live.sum())
       resolve(paid)
-      if bool(paid):   # the AR chunk ran no step: the call's time is the step's
+      if paid:   # the AR chunk ran no step: the call's time is the step's
         unpaid = 0
         fallback.step_s.append(elapsed)
       else:   # each live row committed one token at the step, then the chunk's
@@ -442,8 +442,9 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
     count_earned(np.sum(num - before), live.sum())
-    resolve(np.any(num - before > 1))
-    unpaid = 0 if np.any(num - before > 1) else unpaid + 1   # a draft was accepted
+    paid = np.any(num - before > 1)   # a draft was accepted
+    resolve(paid)
+    unpaid = 0 if paid else unpaid + 1
   end_earned()
   host_drafter.finish(sequences)
   return state
