@@ -9,16 +9,18 @@ drafts at most m), and a short one need not pay for γ positions.
 
 With `fallback` (an `ARFallback`: an engine over the same state that verifies nothing,
 i.e. plain AR), a drafter that stops paying stops costing a host round trip per token:
-after `patience` steps in a row that accepted no draft (empty proposals or rejected ones)
-the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk
+after `patience` steps in a row that did not pay for themselves (committed no more tokens
+per live row than a step costs in AR steps: empty proposals, rejected ones, or ones
+accepted too short to pay) the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk
 read back is judged in retrospect on the host, with no device work: the drafter's
 proposal at every committed length of the chunk's last `walk_tail` tokens is walked
 against what AR committed, as verify steps would have taken it (for a point-mass draft,
 AR sampling the draft token has the acceptance probability). The verdict is about now,
 and on a CPU the host's work shares the cores with the device's.
 Once a walk took no draft at all (is quiet), or once none of the fallback's recent chunk
-judges earned a step (`ARFallback.judges_barren`: at T > 0 walks that take a few drafts
-rarely precede a stretch that pays), the chunks grow 4× instead of 2×, and each is queued
+judges earned a step that paid for itself (`ARFallback.judges_barren`: at T > 0 walks
+that take a few drafts rarely precede a stretch that pays), the chunks grow 4× instead of
+2×, and each is queued
 behind the one before it, which is then read back and judged while the device runs it
 (the device never waits on the host between them; their verdict acts a chunk late; none
 under a chunk that ends the generation, where it could not act): with ~1.5 ms per device
@@ -29,11 +31,12 @@ in AR steps: `step_cost`, or else the median wall time of the loop's recent spec
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations
 (`ARFallback.price` times one of each before the first). A walk that took too few drafts
 but whose last step took one earns one speculative step now (a paying stretch may be
-starting where it ended); other walks, no step: scattered acceptances at T > 0 do not buy
-tries.
+starting where it ended), unless the recent judges were barren (their tries did not pay);
+other walks, no step: scattered acceptances at T > 0 do not buy tries.
 A step whose rejection sends the loop to AR (such a try, or a stretch's last unpaid step)
 carries the AR chunk along in the same device call (`ARFallback.try_then_run`: the chunk
-runs only if no row accepted a draft), so a rejected try costs its verify, not a round trip.
+runs only if no row accepted a draft; one accepted too short to pay runs it in the next
+call), so a rejected try costs its verify, not a round trip.
 A proposal that could not pay for its step even if accepted whole (1 + its longest draft
 at most the step's price; an empty one, always) is not verified: no try then (AR chunks),
 and in a stretch an AR step, an unpaid one (a verify of width 1 costs ~3 AR steps here).
@@ -72,12 +75,14 @@ class ARFallback:
     self.step_s = collections.deque(maxlen=window)
     self.ar_token_s = collections.deque(maxlen=window)
     self.prompt_realised = 1.0   # EMA of realised / predicted tokens per prompt-earned step
-    # Per AR-chunk judge: whether it earned a verified step that accepted a draft.
+    # Per AR-chunk judge: whether it earned a verified step that paid for itself (more
+    # tokens per live row than a step's cost in AR steps).
     self.judges_earned = collections.deque(maxlen=judge_window)
 
   def judges_barren(self) -> bool:
-    """Whether none of the last `judge_window` AR-chunk judges earned a step that paid (a
-    full window): the loop then takes every walk as quiet."""
+    """Whether none of the last `judge_window` AR-chunk judges earned a step that paid
+    for itself (a full window): the loop then takes every walk as quiet, and a walk earns
+    no try."""
     earned = self.judges_earned
     return len(earned) == earned.maxlen and not any(earned)
 
@@ -288,13 +293,15 @@ def walk_rate(walk: Walk) -> float:
   return float(walk.tokens_B.sum() / max(walk.steps_B.sum(), 1))
 
 
-def _unpaid_after(walk: Walk, cost: float, patience: int, scale: float = 1.0) -> int:
+def _unpaid_after(walk: Walk, cost: float, patience: int, scale: float = 1.0,
+                  tries: bool = True) -> int:
   """The loop's count of unpaid steps after judging a walk: 0 (speculate) when its tokens
-  per step (times `scale`) beat `cost`; patience - 1 (one try) when its last step took a
-  draft (a paying stretch may be starting where the walk ended); else patience."""
+  per step (times `scale`) beat `cost`; with `tries`, patience - 1 (one try) when its last
+  step took a draft (a paying stretch may be starting where the walk ended); else
+  patience."""
   if walk_rate(walk) * scale > max(cost, 1):
     return 0
-  return patience - 1 if np.any(walk.last_taken_B > 1) else patience
+  return patience - 1 if tries and np.any(walk.last_taken_B > 1) else patience
 
 
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
@@ -317,24 +324,31 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
   if not started:
     prompt_walk = start_host_drafter(host_drafter, sequences, judge=fallback is not None)
   cost = lambda: fallback.step_cost() if step_cost is None else step_cost
-  verdict = lambda walk, scale=1.0: _unpaid_after(walk, cost(), patience, scale)
+  verdict = lambda walk, scale=1.0, tries=True: _unpaid_after(walk, cost(), patience,
+                                                              scale, tries)
 
   def judge(since_B):
     """(unpaid, quiet: the walk took no draft, or the recent judges were barren) after
-    judging the AR chunk committed after since_B."""
+    judging the AR chunk committed after since_B (barren: no try)."""
     nonlocal pending
+    barren = fallback.judges_barren()
     walk = judge_in_retrospect(host_drafter, sequences, since_B, walk_tail)
-    unpaid_after = verdict(walk)
+    unpaid_after = verdict(walk, tries=not barren)
     pending = unpaid_after < patience   # else it earned nothing
     if not pending:
       fallback.judges_earned.append(False)
-    return unpaid_after, not walk.took_drafts() or fallback.judges_barren()
+    return unpaid_after, not walk.took_drafts() or barren
+
+  def paid_for(tokens, rows) -> bool:
+    """Whether a step that committed `tokens` over `rows` live rows paid for itself: more
+    tokens per row than a step costs in AR steps."""
+    return bool(tokens > max(cost(), 1) * max(rows, 1))
 
   def resolve(paid):
-    """Records whether the step a chunk judge earned (if pending) accepted a draft."""
+    """Records whether the step a chunk judge earned (if pending) paid for itself."""
     nonlocal pending
     if pending:
-      fallback.judges_earned.append(bool(paid))
+      fallback.judges_earned.append(paid)
       pending = False
 
   unpaid, ar_chunk, quiet = 0, chunk, False
@@ -423,15 +437,20 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
                                           proposal, ar_chunk)
       num, done = _read_back(state, sequences, num, window)
-      elapsed, committed, paid = time.perf_counter() - t0, np.max(num - before), bool(paid)
-      count_earned(np.sum(num - before) if paid else live.sum(), live.sum())
+      elapsed, committed = time.perf_counter() - t0, np.max(num - before)
+      accepted = bool(paid)   # a row accepted a draft: the AR chunk ran no step
+      step_tokens = np.sum(num - before) if accepted else live.sum()
+      count_earned(step_tokens, live.sum())
+      paid = paid_for(step_tokens, live.sum())
       resolve(paid)
-      if paid:   # the AR chunk ran no step: the call's time is the step's
-        unpaid = 0
+      if accepted:   # the call's time is the step's
         fallback.step_s.append(elapsed)
-      else:   # each live row committed one token at the step, then the chunk's
-        end_earned()
-        unpaid = patience
+      if paid:
+        unpaid = 0
+        continue
+      end_earned()
+      unpaid = patience   # AR chunks: this call's (if it ran one: judged now), or the next
+      if not accepted:   # each live row committed one token at the step, then the chunk's
         if fallback.step_s and committed > 1:   # the chunk's time: the call's less a step's
           fallback.ar_token_s.append(
               (elapsed - statistics.median(fallback.step_s)) / (committed - 1))
@@ -441,10 +460,10 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
     num, done = _read_back(state, sequences, num, window)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
-    count_earned(np.sum(num - before), live.sum())
-    paid = np.any(num - before > 1)   # a draft was accepted
-    resolve(paid)
-    unpaid = 0 if paid else unpaid + 1
+      count_earned(np.sum(num - before), live.sum())
+      paid = paid_for(np.sum(num - before), live.sum())
+      resolve(paid)
+      unpaid = 0 if paid else unpaid + 1
   end_earned()
   host_drafter.finish(sequences)
   return state

@@ -539,17 +539,18 @@ class _ShorteningHostDrafter(_HostDrafterFrom):
 
 
 class _SparselyRightHostDrafter(_HostDrafterFrom):
-  """Drafts 4 wrong tokens, but AR's next token first at every third position: walks take
-  a draft now and then (never quiet), too few to pay."""
+  """Drafts 4 wrong tokens, but AR's next token first at every third position (from
+  `first` on): walks take a draft now and then (never quiet), too few to pay."""
 
-  def __init__(self, expected):
+  def __init__(self, expected, first=0):
     super().__init__(expected, right_from=99)
+    self.first = first
 
   def propose(self, sequences, live):
     tokens, num = super().propose(sequences, live)
     for b, seq in enumerate(sequences):
       done = len(seq) - len(self.sequences[b])
-      if live[b] and done % 3 == 0 and done < len(self.expected[b]):
+      if live[b] and done % 3 == 0 and self.first <= done < len(self.expected[b]):
         tokens[b, 0] = self.expected[b][done]
     return tokens, num
 
@@ -575,6 +576,27 @@ def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
                              lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids]),
                              100.0, judge_prompts=False, reuse=fallback)
     assert lengths == expected and not any(fallback.judges_earned)
+
+
+def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(tiny_split):
+  """Drafts right at every third position from 3, priced at 4.5 AR steps (a step with 4
+  drafts could pay; one accepting a single draft commits 2 tokens per row, and does not):
+  two unpaid steps, then AR chunks. Each chunk walk whose last step took a draft earns a
+  try, which accepts a draft but does not pay for itself: back to AR chunks (it used to
+  start a stretch that ran to the end, a draft accepted every other step), the judge
+  recorded as barren. 2 steps + 2 tries. With a full window of barren judges the same
+  walks earn no try: the 2 steps, then AR chunks only."""
+  make = lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids], first=3)
+  fallbacks = []
+  _, _, steps, _ = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
+                                            fallbacks=fallbacks)
+  assert steps == 2 + 2 and list(fallbacks[0].judges_earned) == [False] * 3
+  fallback = fallbacks[0]
+  fallback.judges_earned.extend([False] * fallback.judges_earned.maxlen)
+  fallback.calls = 0
+  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
+                                                 reuse=fallback)
+  assert steps == 2 and not any(fallback.judges_earned)
 
 
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
