@@ -146,30 +146,44 @@ class RunResult:
       self.tier_steps[int(g)] = self.tier_steps.get(int(g), 0) + int(n)
 
 
+@jax.jit
+def _step_counts(steps_B, done_B):
+  """(row-steps run so far, live rows) of a state, on device."""
+  return jnp.sum(steps_B), jnp.sum(~done_B)
+
+
 class CountingFallback(ARFallback):
   """The host loop's AR fallback, counting the row-steps it runs. The counts stay on
-  device until `steps()` (after the generation): no extra host sync inside the loop."""
+  device until `steps()` (after the generation): no extra host sync inside the loop, and
+  no compile there either (`_step_counts` compiles in `price`, before the loop: a compile
+  inside it lands in the step and AR timings that price the next steps; seen as a 434 ms
+  "step" that kept a generation's loop from ever speculating)."""
 
   def __init__(self, engine: SpeculativeEngine):
     super().__init__(engine)
-    self.marks = []
+    self.marks = []   # (row-steps before, rows stepped by a try in the call, after)
+
+  def price(self, engine, target_params, drafter_params, state, ar_steps: int = 8) -> None:
+    jax.block_until_ready(_step_counts(state.stats.steps_B, state.done_B))
+    super().price(engine, target_params, drafter_params, state, ar_steps)
 
   def run(self, target_params, drafter_params, state, max_steps=None, **kw):
-    before = jnp.sum(state.stats.steps_B)   # read before `run` donates the state
+    before, _ = _step_counts(state.stats.steps_B, state.done_B)   # before `run` donates it
     state = self.engine.run(target_params, drafter_params, state, max_steps, **kw)
-    self.marks.append(jnp.sum(state.stats.steps_B) - before)
+    self.marks.append((before, 0, _step_counts(state.stats.steps_B, state.done_B)[0]))
     return state
 
   def try_then_run(self, engine, target_params, drafter_params, state, proposal,
                    max_steps: int):
-    before = jnp.sum(state.stats.steps_B) + jnp.sum(~state.done_B)   # after the try
+    before, live = _step_counts(state.stats.steps_B, state.done_B)
     state, paid = super().try_then_run(engine, target_params, drafter_params, state,
                                        proposal, max_steps)
-    self.marks.append(jnp.sum(state.stats.steps_B) - before)
+    self.marks.append((before, live, _step_counts(state.stats.steps_B, state.done_B)[0]))
     return state, paid
 
   def steps(self) -> int:
-    return int(sum(jax.device_get(self.marks)))
+    return int(sum(after - before - tried
+                   for before, tried, after in jax.device_get(self.marks)))
 
 
 @dataclasses.dataclass

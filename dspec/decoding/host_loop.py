@@ -18,10 +18,9 @@ against what AR committed, as verify steps would have taken it (for a point-mass
 AR sampling the draft token has the acceptance probability). The verdict is about now,
 and on a CPU the host's work shares the cores with the device's.
 Once a walk took no draft at all (is quiet), or once none of the fallback's recent chunk
-judges earned a step that paid for itself (`ARFallback.judges_barren`: at T > 0 walks
-that take a few drafts rarely precede a stretch that pays), the chunks grow 4× instead of
-2×, and each is queued
-behind the one before it, which is then read back and judged while the device runs it
+judges earned a step that paid for itself (`ARFallback.judges_barren`, at T > 0 only:
+walks that take a few drafts there rarely precede a stretch that pays), the chunks grow
+4× instead of 2×, and each is queued behind the one before it, which is then read back and judged while the device runs it
 (the device never waits on the host between them; their verdict acts a chunk late; none
 under a chunk that ends the generation, where it could not act): with ~1.5 ms per device
 call and ~1-2 ms per idle wait at B = 1 here, fewer calls and no waits are what AR parity
@@ -81,10 +80,14 @@ class ARFallback:
 
   def judges_barren(self) -> bool:
     """Whether none of the last `judge_window` AR-chunk judges earned a step that paid
-    for itself (a full window): the loop then takes every walk as quiet, and a walk earns
-    no try."""
+    for itself (a full window), at T > 0: the loop then takes every walk as quiet, and a
+    walk earns no try. Never at T = 0: a walk is then exactly what verify steps would have
+    taken, and walks taken as quiet would leave unjudged a stretch that pays from
+    mid-generation (the window, filled by earlier prompts that never paid, would keep
+    every later generation AR)."""
     earned = self.judges_earned
-    return len(earned) == earned.maxlen and not any(earned)
+    return (not self.engine.sampling.greedy and len(earned) == earned.maxlen
+            and not any(earned))
 
   def realised_after_prompt(self, predicted: float, tokens: int, steps: int) -> None:
     """Adds a prompt-earned stretch (`tokens` committed by live rows in `steps` row-steps,

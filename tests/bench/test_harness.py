@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,7 +15,10 @@ from dspec.bench import harness, report, sol
 from dspec.cli import UserError
 from dspec.decoding import runner
 from dspec.decoding.controller import VerifyLengthController
+from dspec.decoding.drafters.suffix import SuffixDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.host_loop import compile_step_widths, generate_host_loop
+from dspec.decoding.prompts import pad_prompts, row_tokens
 
 REQUIRED = ('dataset', 'method', 'temperature', 'batch_size', 'num_draft', 'tau',
             'per_position_acceptance', 'speedup', 'tokens_per_s', 'ar_tokens_per_s',
@@ -382,3 +386,45 @@ def test_family_preset_plan():
   assert c.drafter == 'dflash' and c.drafters.dflash.path == 'demo/dflash2'
   assert c.drafters.dflash.num_draft == 0
   assert bench_demo.get_config('family,target=demo/target_v2').model.path == 'demo/target_v2'
+
+
+class _WrongHostDrafter:
+  """Proposes 4 × token 0 for every live row (on the tiny target, rejected)."""
+
+  def start(self, prompts):
+    pass
+
+  def propose(self, sequences, live):
+    return np.zeros((len(sequences), 4), np.int32), np.full((len(sequences),), 4) * live
+
+  def finish(self, sequences):
+    pass
+
+
+def test_counting_fallback_compiles_nothing_inside_the_host_loop(tiny_split):
+  """The benchmark's counting fallback counts the AR row-steps of the host loop (rejected
+  steps, the second carrying an AR chunk, then AR chunks), and nothing compiles inside the
+  loop once `price` ran, as the runner calls it before the timer: a compile there lands in
+  the step or AR timings that price later steps (a 434 ms "step" kept the demo's HumanEval
+  loops from speculating at T = 0). Batch 5: no other test compiles its counters first."""
+  graphdef, params = tiny_split
+  prompt_BP, lens = pad_prompts([[3 + b, 4, 5] for b in range(5)])
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
+  fallback = harness.CountingFallback.of(engine)
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
+  compile_step_widths(engine, params, None, state, fallback)
+  fallback.price(engine, params, None, state)
+  host = _WrongHostDrafter()
+  host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
+  compiles = []
+  listener = lambda name, secs, **kw: compiles.append(name)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
+                               step_cost=1.5, started=True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not [name for name in compiles if 'backend_compile' in name]
+  stats = jax.device_get(state.stats)
+  verified = int(stats.proposed_B.sum()) // 4   # a verify step proposes 4 per live row
+  assert verified >= 5 and fallback.steps() == int(stats.steps_B.sum()) - verified > 0

@@ -18,6 +18,7 @@ from dspec.decoding.host_loop import (ARFallback, Walk, _committed_since, _try_t
                                       verify_width)
 from dspec.decoding.prompts import generated_ids, row_tokens
 from dspec.decoding.state import Proposal
+from dspec.sampling import SamplingSpec
 
 
 def _all_counts(tree):
@@ -341,24 +342,30 @@ class _CountingChunks(ARFallback):
     return state, paid
 
 
+# Sampled at T = 1 from the top 1: AR's greedy output, through the loop's T > 0 paths.
+_ARGMAX_SAMPLED = SamplingSpec(greedy=False, top_k=1)
+
+
 def _host_loop_with_fallback(tiny_split, make_host, step_cost=1.5, prompts=None,
-                             judge_prompts=True, widths=None, fallbacks=None, reuse=None):
+                             judge_prompts=True, widths=None, fallbacks=None, reuse=None,
+                             sampling=SamplingSpec()):
   """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
   fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
   60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
   `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
   the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
   proposal); `fallbacks` (a list) the AR fallback (`_CountingChunks`), or `reuse` it (its
-  counts go on from there)."""
+  counts go on from there). `sampling`: the engines' (greedy; `_ARGMAX_SAMPLED`: at T = 1)."""
   graphdef, params = tiny_split
   prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
   ar = SpeculativeEngine(graphdef)
   expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
                                                                 lens, max_new_tokens=60)))
-  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4))
+  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4), sampling=sampling)
   fallback = reuse or _CountingChunks.of(engine)
   host = make_host(expected)
-  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60)
+  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60,
+                         temperature=0.0 if sampling.greedy else 1.0)
   if not judge_prompts:
     host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
   counted = _CountingSteps(engine)
@@ -556,11 +563,13 @@ class _SparselyRightHostDrafter(_HostDrafterFrom):
 
 
 def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
-  """Walks that take a few drafts, priced at 100 AR steps (none pays): after the AR step
-  of the stretch, the chunks grow 2× (4, 8, 16, 32), each judged at once; with a full
-  window of barren judges in the fallback, they grow 4× and queue (4, 16, 64), as when
-  walks take nothing."""
-  for barren, expected in ((False, [1, 4, 8, 16, 32]), (True, [1, 4, 16, 64])):
+  """Walks that take a few drafts, priced at 100 AR steps (none pays), at T = 1: after
+  the AR step of the stretch, the chunks grow 2× (4, 8, 16, 32), each judged at once; with
+  a full window of barren judges in the fallback, they grow 4× and queue (4, 16, 64), as
+  when walks take nothing. At T = 0 the window does not count: 2× and judged."""
+  for sampling, barren, expected in ((_ARGMAX_SAMPLED, False, [1, 4, 8, 16, 32]),
+                                     (_ARGMAX_SAMPLED, True, [1, 4, 16, 64]),
+                                     (SamplingSpec(), True, [1, 4, 8, 16, 32])):
     lengths = []
 
     class Recording(_CountingChunks):
@@ -568,19 +577,20 @@ def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
         lengths.append(max_steps)
         return super().run(target_params, drafter_params, state, max_steps)
 
-    fallback = Recording.of(SpeculativeEngine(tiny_split[0],
+    fallback = Recording.of(SpeculativeEngine(tiny_split[0], sampling=sampling,
                                               drafter=SuffixDrafter(num_draft=4)))
     fallback.judges_earned.extend([False] * barren * fallback.judges_earned.maxlen)
-    assert fallback.judges_barren() == barren
+    assert fallback.judges_barren() == (barren and not sampling.greedy)
     _host_loop_with_fallback(tiny_split,
                              lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids]),
-                             100.0, judge_prompts=False, reuse=fallback)
+                             100.0, judge_prompts=False, reuse=fallback, sampling=sampling)
     assert lengths == expected and not any(fallback.judges_earned)
 
 
 def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(tiny_split):
-  """Drafts right at every third position from 3, priced at 4.5 AR steps (a step with 4
-  drafts could pay; one accepting a single draft commits 2 tokens per row, and does not):
+  """At T = 1 (sampled from the top 1), drafts right at every third position from 3,
+  priced at 4.5 AR steps (a step with 4 drafts could pay; one accepting a single draft
+  commits 2 tokens per row, and does not):
   two unpaid steps, then AR chunks. Each chunk walk whose last step took a draft earns a
   try, which accepts a draft but does not pay for itself: back to AR chunks (it used to
   start a stretch that ran to the end, a draft accepted every other step), the judge
@@ -589,13 +599,13 @@ def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(ti
   make = lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids], first=3)
   fallbacks = []
   _, _, steps, _ = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
-                                            fallbacks=fallbacks)
+                                            fallbacks=fallbacks, sampling=_ARGMAX_SAMPLED)
   assert steps == 2 + 2 and list(fallbacks[0].judges_earned) == [False] * 3
   fallback = fallbacks[0]
   fallback.judges_earned.extend([False] * fallback.judges_earned.maxlen)
   fallback.calls = 0
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
-                                                 reuse=fallback)
+  _, _, steps, _ = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
+                                            reuse=fallback, sampling=_ARGMAX_SAMPLED)
   assert steps == 2 and not any(fallback.judges_earned)
 
 
