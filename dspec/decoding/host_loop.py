@@ -11,20 +11,20 @@ With `fallback` (an `ARFallback`: an engine over the same state that verifies no
 i.e. plain AR), a drafter that stops paying stops costing a host round trip per token:
 after `patience` steps in a row that did not pay for themselves (committed no more tokens
 per live row than a step costs in AR steps: empty proposals, rejected ones, or ones
-accepted too short to pay) the loop runs AR chunks on device (`chunk` steps, doubling up to `max_chunk`). Each chunk
-read back is judged in retrospect on the host, with no device work: the drafter's
-proposal at every committed length of the chunk's last `walk_tail` tokens is walked
-against what AR committed, as verify steps would have taken it (for a point-mass draft,
-AR sampling the draft token has the acceptance probability). The verdict is about now,
-and on a CPU the host's work shares the cores with the device's.
+accepted too short to pay) the loop runs AR chunks on device (`chunk` steps, doubling up
+to `max_chunk`). Each chunk read back is judged in retrospect on the host, with no device
+work: the drafter's proposal at every committed length of the chunk's last `walk_tail`
+tokens is walked against what AR committed, as verify steps would have taken it (for a
+point-mass draft, AR sampling the draft token has the acceptance probability). The
+verdict is about now, and on a CPU the host's work shares the cores with the device's.
 Once a walk took no draft at all (is quiet), or once none of the fallback's recent chunk
 judges earned a step that paid for itself (`ARFallback.judges_barren`, at T > 0 only:
 walks that take a few drafts there rarely precede a stretch that pays), the chunks grow
-4× instead of 2×, and each is queued behind the one before it, which is then read back and judged while the device runs it
-(the device never waits on the host between them; their verdict acts a chunk late; none
-under a chunk that ends the generation, where it could not act): with ~1.5 ms per device
-call and ~1-2 ms per idle wait at B = 1 here, fewer calls and no waits are what AR parity
-needs.
+4× instead of 2×, and each is queued behind the one before it, which is then read back
+and judged while the device runs it (the device never waits on the host between them;
+their verdict acts a chunk late; none under a chunk that ends the generation, where it
+could not act): with ~1.5 ms per device call and ~1-2 ms per idle wait at B = 1 here,
+fewer calls and no waits are what AR parity needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations
