@@ -437,11 +437,11 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
                                        np.asarray(num_B, np.int32)))
     if fallback is not None and unpaid == patience - 1:
       # A rejected proposal sends the loop to AR: the AR chunk runs in the same call.
-      state, paid = fallback.try_then_run(engine, target_params, drafter_params, state,
-                                          proposal, ar_chunk)
+      state, accepted = fallback.try_then_run(engine, target_params, drafter_params, state,
+                                              proposal, ar_chunk)
       num, done = _read_back(state, sequences, num, window)
       elapsed, committed = time.perf_counter() - t0, np.max(num - before)
-      accepted = bool(paid)   # a row accepted a draft: the AR chunk ran no step
+      accepted = bool(accepted)   # a row accepted a draft: the AR chunk ran no step
       step_tokens = np.sum(num - before) if accepted else live.sum()
       count_earned(step_tokens, live.sum())
       paid = paid_for(step_tokens, live.sum())
