@@ -385,6 +385,10 @@ class VerifyLengthController:
   def num_draft(self) -> int:
     return self.max_gamma
 
+  @property
+  def sampling(self) -> SamplingSpec:
+    return self.engines[0].sampling
+
   def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
     return self.engines[self.max_gamma].buffer_len(prompt_len, max_new_tokens)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.oracle import OracleDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
@@ -166,3 +167,42 @@ def test_engine_sampling_is_lossless(small_vocab_model, name, drafter, spec, tem
   check_engine_samples_match_target(engine, small_vocab_model, params, None, PROMPT,
                                     temperature=temperature, top_p=top_p,
                                     num_samples=40_000, num_tokens=2)
+
+
+# ------------------------------------------------- the controller switching tiers, T > 0
+
+class _ScheduledController(VerifyLengthController):
+  """The controller with its tier choice replaced by a fixed cycle (one step per chunk),
+  so every generation switches tiers mid-way whatever the scores say."""
+
+  def __init__(self, *args, schedule, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.schedule, self.chosen = schedule, []
+
+  def choose(self, scores, payable):
+    g = self.schedule[len(self.chosen) % len(self.schedule)]
+    self.chosen.append(g)
+    return g
+
+
+@pytest.mark.parametrize('name,drafter,schedule', [
+    ('self', SelfDrafter(num_draft=2), (0, 2, 0)),
+    ('oracle_adversarial', OracleDrafter(num_draft=2, acceptance=(0.0,)), (2, 2, 0)),
+])
+def test_controller_switching_tiers_is_lossless(small_vocab_model, name, drafter, schedule):
+  """Sampled output under the controller equals the target's distribution (first token and
+  the 3-token joint) while every generation moves from AR to a verifying tier: tier 0
+  steps (the drafter idles), then a tier that drafts (it syncs first). The oracle's first
+  chunk is the controller's own tier-0 shadow look (its drafts are exact to judge)."""
+  graphdef, params = nnx.split(small_vocab_model)
+  rows = 30_000
+  costs = CostTable({(rows, g): 1.0 for g in (0, 1, 2)}, {rows: 0.0})
+  controller = _ScheduledController(
+      graphdef, drafter, sampling=SamplingSpec(greedy=False),
+      config=ControllerConfig(tiers=(0, 1, 2), steps_per_decision=1,
+                              max_steps_per_decision=1, probe_every=1, max_probe_every=1),
+      cost_table=costs, schedule=schedule)
+  check_engine_samples_match_target(controller, small_vocab_model, params, None, PROMPT,
+                                    temperature=1.0, num_samples=rows, num_tokens=3)
+  tiers = [g for g, _, _ in controller.last_trace]
+  assert any(a != b and 0 in (a, b) for a, b in zip(tiers, tiers[1:])), tiers
