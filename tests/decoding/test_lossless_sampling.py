@@ -205,4 +205,4 @@ def test_controller_switching_tiers_is_lossless(small_vocab_model, name, drafter
   check_engine_samples_match_target(controller, small_vocab_model, params, None, PROMPT,
                                     temperature=1.0, num_samples=rows, num_tokens=3)
   tiers = [g for g, _, _ in controller.last_trace]
-  assert any(a != b and 0 in (a, b) for a, b in zip(tiers, tiers[1:])), tiers
+  assert any(a == 0 and b > 0 for a, b in zip(tiers, tiers[1:])), tiers   # AR, then drafts
