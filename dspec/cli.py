@@ -7,10 +7,7 @@ import sys
 
 from absl import app, flags
 
-
-class UserError(Exception):
-  """An error caused by the command line, config or data the user gave."""
-
+from dspec.errors import UserError
 
 _USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
 _OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')

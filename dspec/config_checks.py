@@ -1,6 +1,6 @@
 """Range checks for config values, so bad numbers fail early with one line naming the field.
 
-Every check raises `cli.UserError` (a one-line `error:` at the command line). Integers
+Every check raises `errors.UserError` (a one-line `error:` at the command line). Integers
 must fit int32 (they end up in int32 device arrays or numpy seeds); floats must be finite.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from dspec.cli import UserError
+from dspec.errors import UserError
 
 INT32_LIMIT = 2 ** 31
 

@@ -74,7 +74,7 @@ from tqdm import tqdm
 
 from dspec import compiled_programs, datasets, loading
 from dspec.bench import draft_cost, hf_peer, report, sol
-from dspec.cli import UserError
+from dspec.errors import UserError
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
 from dspec.decoding.controller import VerifyLengthController

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dspec import checkpoint, config_checks, files
-from dspec.cli import UserError
+from dspec.errors import UserError
 from dspec.training import trainer
 
 # The checkpoint kind each drafter task trains (and exports), for `training.init_from`.

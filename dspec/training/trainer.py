@@ -22,7 +22,7 @@ from absl import logging
 from flax import nnx
 
 from dspec import checkpoint, config_checks, files, sharding
-from dspec.cli import UserError
+from dspec.errors import UserError
 from dspec.training import optimizer as optimizer_lib
 
 

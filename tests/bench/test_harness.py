@@ -12,7 +12,7 @@ import pytest
 
 from configs import bench_demo, bench_tiny, common_bench
 from dspec.bench import harness, report, sol
-from dspec.cli import UserError
+from dspec.errors import UserError
 from dspec.decoding import runner
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters.suffix import SuffixDrafter

@@ -33,7 +33,7 @@ def test_init_from_loads_the_saved_target_and_checks_its_shape(tmp_path):
 
 def test_drafter_tasks_warm_start_from_an_export_of_their_kind(tmp_path):
   from conftest import TINY
-  from dspec.cli import UserError
+  from dspec.errors import UserError
   from dspec.models.dflash import DFlashConfig, DFlashModel, save_dflash
   from dspec.training import tasks, trainer
 

@@ -1,0 +1,6 @@
+"""Errors the library raises for bad input from the user."""
+
+
+class UserError(Exception):
+  """An error caused by the command line, config or data the user gave (the CLI prints it
+  as one `error:` line)."""
