@@ -114,6 +114,31 @@ def drafter_training(cfg, task: str, data_path: str, steps: int, minutes: float)
   return t
 
 
+# The deep recipe of the block drafters (DFlash and its successors), after z-lab's: every
+# target-written position of a row is an anchor (a demo row writes <= 128 tokens), several
+# epochs, rows of a batch few so that one step stays a few seconds on a CPU.
+DEEP_ANCHORS = 128
+DEMO_TRAIN_ROWS = 7760    # distill_demo's 8000 rows less the 3% held out
+
+
+def demo_epoch_steps(epochs: float, batch_size: int) -> int:
+  """Steps for `epochs` passes over the demo distillation's training rows."""
+  return int(-(-epochs * DEMO_TRAIN_ROWS // batch_size))
+
+
+def deep_block_recipe(t: ml_collections.ConfigDict) -> None:
+  """Training knobs of the deep recipe on a `drafter_training` section: 4 rows of 128
+  anchors per step, 4 epochs, WSD (its end can move while it runs: runs span sessions),
+  bf16 exports every 250 steps (what a fresh machine resumes from), 128 held-out rows."""
+  t.batch_size = 4
+  t.num_steps = demo_epoch_steps(4, t.batch_size)
+  t.schedule = 'wsd'
+  t.decay_ratio = 0.15
+  t.storage_dtype = 'bfloat16'
+  t.eval_every = 500
+  t.eval_windows = 128
+
+
 def training_config(task: str) -> ml_collections.ConfigDict:
   """Optimiser, schedule, logging and checkpoint knobs shared by every objective."""
   return ml_collections.ConfigDict({

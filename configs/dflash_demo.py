@@ -6,7 +6,12 @@ Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_d
   python scripts/decode.py --config=configs/dflash_demo.py --config.compare_ar=True
   python scripts/decode.py --config=configs/dflash_demo.py \
       --config.drafters.dflash.path=runs/bd3lm_demo/final --config.compare_ar=True
+The deep recipe (the reference's: many anchors per row, several epochs; z-lab's taps for
+the depth), one run per depth of the depth sweep:
+  python scripts/train.py --config=configs/dflash_demo.py:deep,layers=5 --workdir=runs/dflash_l5
 Arguments: layers=N (draft layers, default 2), block=B (trained block, default 16),
+deep (128 anchors per row, batch 4 rows, 4 epochs, WSD schedule, bf16 exports),
+anchors=N, batch=N, epochs=E (overrides; epochs sets steps from the demo's row count),
 vocab=N (reduced draft head over the N most frequent target-written tokens; 0 = full),
 steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), bd3lm (BD3-LM objective), tiny (random tiny target,
 tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.num_draft (< the
@@ -24,7 +29,8 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, bd3lm=False, layers=2, block=16, steps=3000,
-                          minutes=0.0, vocab=0, data='runs/distill_demo8k')
+                          minutes=0.0, vocab=0, data='runs/distill_demo8k', deep=False,
+                          anchors=0, batch=0, epochs=0.0)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'
@@ -42,7 +48,8 @@ def get_config(arg=None):
       'draft_vocab_size': args.vocab,  # 0 = full; N = head over the N tokens the target
                                        # writes most often (FR-Spec): a cheaper draft pass
       'attention_impl': 'xla',     # xla | pallas
-      'num_anchors': 16,           # DFlash: blocks per sequence
+      'num_anchors': args.anchors or (common.DEEP_ANCHORS if args.deep else 16),
+                                   # DFlash: blocks per sequence
       'anchor_supervised': False,  # True: anchor must be target-written (reference);
                                    # False: the last prompt token is an anchor too
       'loss_gamma': 0.0,           # 0 -> 7 for B=16, 5 for 10, 4 for 8
@@ -52,6 +59,12 @@ def get_config(arg=None):
   })
   t = common.drafter_training(cfg, 'bd3lm' if args.bd3lm else 'dflash', args.data,
                               args.steps, args.minutes)
+  if args.deep:
+    common.deep_block_recipe(t)
+  if args.batch:
+    t.batch_size = args.batch
+  if args.epochs:
+    t.num_steps = common.demo_epoch_steps(args.epochs, t.batch_size)
 
   if args.tiny:
     cfg.model = common.model_config('tiny')

@@ -104,6 +104,14 @@ def params_sha256(tree) -> str:
   return digest.hexdigest()
 
 
+def weights_fingerprint(model: nnx.Module) -> str:
+  """`params_sha256` of a module's parameters cast to float32, so one set of weights has
+  one fingerprint whether it is held in float32 or bfloat16 (bf16 -> f32 is exact). A
+  drafter checkpoint records its target's as `extra.target_sha256`."""
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return params_sha256(jax.tree.map(lambda x: np.asarray(x, np.float32), params))
+
+
 def _split_checksums(metadata: dict) -> tuple[dict, Optional[dict]]:
   """(metadata without the checksums, the checksums or None when it has none)."""
   metadata = dict(metadata)

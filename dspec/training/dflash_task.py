@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspec import checkpoint
 from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashModel, save_dflash
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.draft_vocab import frequent_tokens
@@ -302,7 +303,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
   target, tokenizer, _ = build_target(cfg.model)
   rows = split_distilled(load_distilled(cfg.data.path), tcfg.seq_len,
                          cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
-  tokens, loss_mask = rows.tokens, rows.loss_mask
+  tokens, loss_mask = rows.tokens[rows.train_rows], rows.loss_mask[rows.train_rows]
   held_tokens, held_mask = rows.held_tokens, rows.held_mask
   draft_vocab = ()
   if d.draft_vocab_size:
@@ -342,9 +343,11 @@ def build_task(cfg, workdir: str) -> TrainTask:
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     return {k: float(v) for k, v in dflash_metrics(total).items()}
 
+  target_sha256 = checkpoint.weights_fingerprint(target)
+
   def export(model, path, step):
     save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True,
-                extra={'train_step': step})
+                extra={'train_step': step, 'target_sha256': target_sha256})
 
   return TrainTask(model=drafter, frozen=target, loss_fn=loss_fn, get_batch=get_batch,
                    evaluate=evaluate, export=export)

@@ -216,26 +216,48 @@ class DistilledRows:
 
   tokens: np.ndarray       # [N, width] int32
   loss_mask: np.ndarray    # [N, width] bool: target-written tokens
-  num_train: int
+  train_rows: np.ndarray   # [num_train] indices of the training rows
   held_tokens: np.ndarray
   held_mask: np.ndarray
 
+  @property
+  def num_train(self) -> int:
+    return len(self.train_rows)
+
   def batch(self, step: int, seed: int, batch_size: int) -> dict:
-    """The deterministic training batch of `step`."""
-    rows = np.random.default_rng([seed, step]).integers(self.num_train, size=batch_size)
+    """The deterministic training batch of `step`: epochs of shuffled train rows, each
+    row once per epoch (epoch e is permutation `[seed, e]`), so a resumed run sees exactly
+    the rows it would have seen."""
+    pos = step * batch_size + np.arange(batch_size)
+    epoch, offset = np.divmod(pos, self.num_train)
+    rows = np.empty(batch_size, np.int64)
+    for e in np.unique(epoch):
+      perm = np.random.default_rng([seed, int(e)]).permutation(self.num_train)
+      rows[epoch == e] = perm[offset[epoch == e]]
+    rows = self.train_rows[rows]
     return {'tokens': self.tokens[rows], 'loss_mask': self.loss_mask[rows]}
+
+
+def _evenly_spaced(n: int, k: int) -> np.ndarray:
+  """k distinct indices spread evenly over range(n) (k <= n)."""
+  return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64)) if k else \
+      np.zeros(0, np.int64)
 
 
 def split_distilled(data: dict, width: int, heldout_fraction: float, eval_windows: int,
                     name: str = 'distilled data') -> DistilledRows:
-  """`load_distilled` output fitted to `width` and split; the last `heldout_fraction` of
-  the rows are held out (at most `eval_windows` of them are kept for evaluation)."""
+  """`load_distilled` output fitted to `width` and split. The held-out rows are a
+  `heldout_fraction` of the rows spread evenly over the whole set, so every prompt set of
+  the distillation (code and GSM8K in the demo's) is held out in proportion; at most
+  `eval_windows` of them, again spread evenly, are kept for evaluation."""
   tokens = fit_rows(data['tokens'].astype(np.int32), width)
   loss_mask = fit_rows(data['loss_mask'].astype(bool), width)
   n_held = int(round(len(tokens) * heldout_fraction))
-  n_train = len(tokens) - n_held
-  if n_train < 1:
+  held = _evenly_spaced(len(tokens), n_held)
+  train = np.setdiff1d(np.arange(len(tokens)), held)
+  if len(train) < 1:
     raise ValueError(f'{name}: {len(tokens)} sequences leave none for training')
-  held = slice(n_train, None) if n_held else slice(0, n_train)
-  return DistilledRows(tokens, loss_mask, n_train, tokens[held][:eval_windows],
-                       loss_mask[held][:eval_windows])
+  if not len(held):
+    held = train
+  held = held[_evenly_spaced(len(held), min(eval_windows, len(held)))]
+  return DistilledRows(tokens, loss_mask, train, tokens[held], loss_mask[held])

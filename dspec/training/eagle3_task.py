@@ -111,13 +111,14 @@ def build_task(cfg, workdir: str) -> TrainTask:
 def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
   """The task over token rows [N, S] with their loss masks (target-written tokens)."""
   tcfg, e = cfg.training, cfg.eagle3
-  draft_vocab = ()
-  if e.draft_vocab_size:
-    draft_vocab = frequent_tokens(tokens, loss_mask, e.draft_vocab_size,
-                                  target.cfg.vocab_size, 'eagle3.draft_vocab_size')
-  model = build_model(cfg, target, draft_vocab)
   rows = split_distilled({'tokens': tokens, 'loss_mask': loss_mask}, tokens.shape[1],
                          cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  draft_vocab = ()
+  if e.draft_vocab_size:
+    draft_vocab = frequent_tokens(tokens[rows.train_rows], loss_mask[rows.train_rows],
+                                  e.draft_vocab_size, target.cfg.vocab_size,
+                                  'eagle3.draft_vocab_size')
+  model = build_model(cfg, target, draft_vocab)
   held_tokens, held_mask = rows.held_tokens, rows.held_mask
   steps, decay = e.ttt_steps, e.loss_decay
 

@@ -230,7 +230,7 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
   rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
   vocab = target.cfg.vocab_size
   if draft_vocab_size:
-    train = slice(0, rows.num_train)
+    train = rows.train_rows
     mtp_cfg = dataclasses.replace(mtp_cfg, draft_vocab=frequent_tokens(
         rows.tokens[train], rows.loss_mask[train], draft_vocab_size, vocab,
         'mtp.draft_vocab_size'))

@@ -2,7 +2,8 @@
 
 Backends:
 
-* ``'xla'``: ``reference.reference_attention`` (dense, any platform).
+* ``'xla'``: ``reference.reference_attention`` (dense, any platform); the DFlash
+  training mask goes through ``reference.blocked_train_attention`` (its blocks only).
 * ``'pallas_gpu'``: ``kernel_gpu`` (Pallas Triton lowering) on GPU.
 * ``'pallas_tpu'``: ``kernel_tpu`` (Pallas Mosaic) on TPU.
 * ``'interpret'``: the ``kernel_gpu`` kernel bodies run with ``interpret=True``
@@ -38,6 +39,7 @@ from pallas_kernels.block_attention import kernel_gpu
 from pallas_kernels.block_attention import kernel_tpu
 from pallas_kernels.block_attention import mask_info as mask_info_lib
 from pallas_kernels.block_attention import masks as masks_lib
+from pallas_kernels.block_attention.reference import blocked_train_attention
 from pallas_kernels.block_attention.reference import reference_attention
 
 IMPLEMENTATIONS = ('xla', 'pallas_gpu', 'pallas_tpu', 'interpret')
@@ -188,6 +190,8 @@ def block_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                  'using xla.')
       backend = 'xla'
   if backend == 'xla':
+    if type(mask) is masks_lib.DFlashTrainMask:
+      return blocked_train_attention(q_BTHD, k_BSKD, v_BSKD, mask, offsets, scale)
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, mask, offsets, scale)
 
   block_q, block_kv = tiles

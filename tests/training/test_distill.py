@@ -94,3 +94,23 @@ def test_token_map_script_ranks_written_tokens(tiny_cfg, tmp_path):
   assert [line for line in proc.stderr.splitlines() if line.startswith('error: ')] == \
       [f'error: {token_map} exists (pass --force to replace it)']
   assert token_map.read_text() == 'mine'
+
+
+def test_split_holds_out_rows_from_every_prompt_set_and_batches_epochs():
+  # 60 "gsm8k" rows then 40 "code" rows, as distill_demo writes them: the held-out rows
+  # must cover both, and training batches walk whole epochs of the rest.
+  n, width = 100, 6
+  tokens = np.arange(n * width, dtype=np.int32).reshape(n, width)
+  domain = np.array([0] * 60 + [1] * 40)
+  rows = distill.split_distilled({'tokens': tokens, 'loss_mask': tokens > 0}, width,
+                                 heldout_fraction=0.1, eval_windows=6)
+  held = [int(t[0]) // width for t in rows.held_tokens]
+  assert len(held) == 6 and set(domain[held]) == {0, 1}
+  assert rows.num_train == 90 and not set(held) & set(rows.train_rows.tolist())
+  seen = [int(t[0]) // width for step in range(9)
+          for t in rows.batch(step, seed=3, batch_size=10)['tokens']]
+  assert sorted(seen) == sorted(rows.train_rows.tolist())   # epoch 0: each row once
+  again = rows.batch(4, seed=3, batch_size=10)['tokens']
+  np.testing.assert_array_equal(again, rows.batch(4, seed=3, batch_size=10)['tokens'])
+  straddle = [int(t[0]) // width for t in rows.batch(8, seed=3, batch_size=15)['tokens']]
+  assert len(straddle) == 15      # steps 120..134: the end of epoch 1, start of epoch 2
