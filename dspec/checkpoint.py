@@ -104,12 +104,45 @@ def params_sha256(tree) -> str:
   return digest.hexdigest()
 
 
-def weights_fingerprint(model: nnx.Module) -> str:
-  """`params_sha256` of a module's parameters cast to float32, so one set of weights has
-  one fingerprint whether it is held in float32 or bfloat16 (bf16 -> f32 is exact). A
-  drafter checkpoint records its target's as `extra.target_sha256`."""
+def weights_fingerprint(model: nnx.Module, sample: int = 4096) -> str:
+  """A fingerprint of a module's parameters that is cheap at any size: SHA-256 over each
+  leaf's name, shape and up to `sample` evenly strided values cast to float32 (so weights
+  held in float32 or bfloat16 agree: bf16 -> f32 is exact). Drafter checkpoints record
+  their target's as `extra.target_sha256`."""
+  digest = hashlib.sha256()
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  return params_sha256(jax.tree.map(lambda x: np.asarray(x, np.float32), params))
+  for name, leaf in sorted(leaf_paths(params).items()):
+    flat = np.asarray(jax.device_get(leaf)).reshape(-1)
+    values = np.ascontiguousarray(flat[::max(1, flat.size // sample)].astype(np.float32))
+    digest.update(f'{name}{tuple(np.shape(leaf))}'.encode())
+    digest.update(values.view(np.uint8))
+  return digest.hexdigest()
+
+
+def target_record(target: nnx.Module, model_cfg) -> dict:
+  """What a drafter checkpoint records of the target it was trained against (its
+  `extra`): the weights fingerprint and where the target came from."""
+  return {'target_sha256': weights_fingerprint(target),
+          'target_source': f'{model_cfg.source}:{model_cfg.path}' if model_cfg.path
+                           else model_cfg.source}
+
+
+def check_target_record(path, target: nnx.Module) -> Optional[str]:
+  """A warning naming both targets when the dspec checkpoint at `path` records a target
+  other than `target`; None when it matches or records none (published formats)."""
+  try:
+    extra = _read_metadata(_as_path(path)).get('extra') or {}
+  except (CheckpointError, OSError, ValueError):
+    return None
+  recorded = extra.get('target_sha256')
+  if not recorded:
+    return None
+  actual = weights_fingerprint(target)
+  if recorded == actual:
+    return None
+  return (f'{path} was trained against the target {extra.get("target_source", "?")} '
+          f'(weights {recorded[:12]}), not this one (weights {actual[:12]}): it decodes '
+          f'losslessly but its drafts may rarely be accepted')
 
 
 def _split_checksums(metadata: dict) -> tuple[dict, Optional[dict]]:

@@ -343,11 +343,11 @@ def build_task(cfg, workdir: str) -> TrainTask:
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     return {k: float(v) for k, v in dflash_metrics(total).items()}
 
-  target_sha256 = checkpoint.weights_fingerprint(target)
+  trained_on = checkpoint.target_record(target, cfg.model)
 
   def export(model, path, step):
     save_dflash(path, model, storage_dtype=tcfg.storage_dtype, force=True,
-                extra={'train_step': step, 'target_sha256': target_sha256})
+                extra={'train_step': step, **trained_on})
 
   return TrainTask(model=drafter, frozen=target, loss_fn=loss_fn, get_batch=get_batch,
                    evaluate=evaluate, export=export)

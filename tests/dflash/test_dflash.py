@@ -341,6 +341,21 @@ def test_mismatched_target_and_missing_path_are_clear_errors(toy):
     drafter.with_num_draft(drafter.config.block_size)
 
 
+def test_a_drafter_loaded_against_another_target_warns_naming_both(toy, capsys):
+  record = checkpoint.read_model_metadata(toy['cfg'].drafters.dflash.path, 'dflash')['extra']
+  assert record['target_sha256'] == checkpoint.weights_fingerprint(toy['target'])
+  assert record['target_source'] == f'checkpoint:{toy["target_dir"]}'
+  capsys.readouterr()
+  registry.build_drafter(toy['cfg'], toy['target'])
+  assert 'warning' not in capsys.readouterr().err
+  other = Transformer(TOY, rngs=nnx.Rngs(1))
+  registry.build_drafter(toy['cfg'], other)
+  err = capsys.readouterr().err
+  assert err.startswith('warning: ') and toy['target_dir'] in err
+  assert record['target_sha256'][:12] in err
+  assert checkpoint.weights_fingerprint(other)[:12] in err
+
+
 def test_decode_cli_with_a_trained_drafter(toy, tmp_path):
   metrics = tmp_path / 'm.json'
   cmd = [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'decode.py'),

@@ -8,7 +8,9 @@ drafter adds one line to `_BUILDERS` and its defaults to `DEFAULTS` (see
 from __future__ import annotations
 
 import importlib
+import sys
 
+from dspec import checkpoint
 from dspec.decoding.drafter import NoDrafter
 
 # drafter name -> module in dspec.decoding.drafters whose `build(cfg, target)` makes it
@@ -65,4 +67,8 @@ def build_drafter(cfg, target):
   module = importlib.import_module(f'dspec.decoding.drafters.{_BUILDERS[name]}')
   drafter, params = module.build(cfg, target)
   drafter.check_target(target.cfg)
+  path = cfg.drafters[name].get('path', '')
+  mismatch = path and checkpoint.check_target_record(path, target)
+  if mismatch:
+    print(f'warning: {mismatch}', file=sys.stderr, flush=True)
   return drafter, params
