@@ -22,7 +22,7 @@ drafters.mtp.token_map (a JSON list of token ids, e.g. demo/token_map_2048.json 
 scripts/token_map.py: a full-vocabulary MTP drafts from those tokens only).
 drafters.mtp.path also takes a speculators `mtp` directory or a HF checkpoint with
 DeepSeek-V3-layout MTP layers (num_nextn_predict_layers; dense blocks only), see
-dspec/models/mtp_formats.py.
+dspec/models/formats/mtp.py.
 Expected: training logs loss_d{k} and agree_d{k} (top-1 agreement with the target, eval/
 on held-out data) and exports <workdir>/final (joint: final/target and final/mtp);
 decoding prints lossless=True and τ.

@@ -17,8 +17,9 @@ from flax import nnx
 from safetensors.flax import save_file
 
 from dspec.checkpoint import leaf_paths
-from dspec.hf_import import SUPPORTED_MODEL_TYPES, hf_tensor_name
+from dspec.hf_import import hf_tensor_name
 from dspec.models.config import TransformerConfig
+from dspec.models.formats.hf_config import SUPPORTED_MODEL_TYPES
 from dspec.models.transformer import Transformer
 
 _ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}

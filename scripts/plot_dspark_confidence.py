@@ -115,14 +115,14 @@ def main(argv):
   from dspec import loading
   from dspec.decoding.drafter import checkpoint_path
   from dspec.files import write_json_atomic
-  from dspec.models import dspark
+  from dspec.models.formats.dspark import load_dspark
   from dspec.training.distill import load_distilled, split_distilled
   cfg = _CONFIG.value
   if _BATCH.value < 1:
     raise cli.UserError(f'--batch_size must be >= 1, got {_BATCH.value}')
   target, _, _ = loading.build_target(cfg.model)
   path = checkpoint_path(cfg, 'dspark')
-  model = dspark.load_drafter(path, num_target_layers=target.cfg.num_layers)
+  model = load_dspark(path, num_target_layers=target.cfg.num_layers)
   if model.confidence_head is None:
     raise cli.UserError(f'{path}: the drafter has no confidence head to plot')
   rows = split_distilled(load_distilled(cfg.data.path), cfg.training.seq_len,

@@ -932,7 +932,7 @@ def api_cases() -> list:
           load_tokenizer('{sb}/tok', 300)''', message='tokenizer.json',
         setup=lambda sb, fx: _write(f'{sb}/tok/tokenizer.json', '{"v')),
       a('config_from_hf_list', '''
-          from dspec.hf_import import config_from_hf
+          from dspec.models.formats.hf_config import config_from_hf
           config_from_hf([])''', message='JSON object'),
       a('transformer_config_zero_heads', '''
           from dspec.models.config import TransformerConfig

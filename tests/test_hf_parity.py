@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from dspec.loading import load_target_checkpoint as load_target  # noqa: E402
 from dspec.decoding.engine import SpeculativeEngine  # noqa: E402
 from dspec.hf_export import export_to_hf, to_transformers_model  # noqa: E402
-from dspec.hf_import import config_from_hf, load_hf_model  # noqa: E402
+from dspec.hf_import import load_hf_model  # noqa: E402
+from dspec.models.formats.hf_config import config_from_hf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -25,7 +25,8 @@ from configs import common
 from conftest import REPO_ROOT, TINY
 from dspec import checkpoint, cli, config_checks, files
 from dspec.checkpoint import CheckpointError
-from dspec.hf_import import config_from_hf, read_hf_config
+from dspec.hf_import import read_hf_config
+from dspec.models.formats.hf_config import config_from_hf
 from dspec.models.transformer import Transformer
 from dspec.tokenizer import load_tokenizer
 from dspec.training import trainer

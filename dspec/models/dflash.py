@@ -21,8 +21,8 @@ z-lab's drafters (`/work/notes/dflash_reference.md`) are represented exactly by 
 fields `layer_types` / `is_causal` / `sliding_window` (per-layer causal and per-query
 windowed masks, `dspec.models.dflash_masks`), `input_embedding_scale`,
 `output_multiplier`, `final_logit_softcapping` and `final_tap_normed`; the defaults are
-dspec's own drafters. `load_drafter` reads a dspec checkpoint or a z-lab / speculators
-directory (`dspec.models.drafter_formats`).
+dspec's own drafters. `dspec.models.formats.dflash.load_dflash` reads a dspec checkpoint
+or a z-lab / speculators directory.
 """
 
 from __future__ import annotations
@@ -312,33 +312,3 @@ def save_dflash(path, drafter: DFlashModel, *, storage_dtype: str = 'float32',
                         config={kind: drafter.cfg.to_dict(),
                                 'target': drafter.target_cfg.to_dict()},
                         storage_dtype=storage_dtype, extra=extra, force=force)
-
-
-def load_dspec_checkpoint(path, drafter_class=DFlashModel, config_class=DFlashConfig,
-                          **overrides):
-  """Loads a dspec checkpoint of `drafter_class.checkpoint_kind`; `overrides` replace
-  config fields (e.g. attention_impl)."""
-  kind = drafter_class.checkpoint_kind
-  metadata = checkpoint.read_model_metadata(path, kind)
-  try:
-    cfg = config_class.from_dict(metadata['config'][kind])
-    target_cfg = TransformerConfig.from_dict(metadata['config']['target'])
-  except (KeyError, TypeError, ValueError) as e:
-    raise checkpoint.CheckpointError(f'{path}: bad {kind} config in metadata ({e})') from e
-  cfg = dataclasses.replace(cfg, **overrides)
-  drafter = nnx.eval_shape(lambda: drafter_class(cfg, target_cfg, rngs=nnx.Rngs(0)))
-  checkpoint.load_model_state(path, drafter, kind)
-  return drafter
-
-
-def load_dflash(path, **overrides) -> DFlashModel:
-  """Loads a `kind='dflash'` checkpoint; `overrides` replace DFlashConfig fields (e.g.
-  attention_impl)."""
-  return load_dspec_checkpoint(path, **overrides)
-
-
-def load_drafter(path, **overrides) -> DFlashModel:
-  """A DFlash or DFlash-2 drafter from a dspec checkpoint ('dflash' / 'dflash2') or a
-  z-lab / speculators directory (config.json + safetensors), detected from the files."""
-  from dspec.models import drafter_formats
-  return drafter_formats.load(path, **overrides)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.models.config import TransformerConfig
-from dspec.models.dflash import DFlashConfig, DFlashModel, load_dspec_checkpoint
+from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.sampling import top_k
 
 CHECKPOINT_KIND = 'dflash2'
@@ -218,8 +218,3 @@ def propose_block(drafter: DFlash2Model, target, hidden_BGD, anchor_B, *, greedy
   logits_BGV = drafter.draft_logits(target, hidden_BGD)
   return select_walk(drafter.candidate_selector, drafter.cfg.selector_top_k, logits_BGV,
                      hidden_BGD, anchor_B, greedy=greedy, temperature=temperature, key=key)
-
-
-def load_dflash2(path, **overrides) -> DFlash2Model:
-  """Loads a `kind='dflash2'` dspec checkpoint; `overrides` replace config fields."""
-  return load_dspec_checkpoint(path, DFlash2Model, DFlash2Config, **overrides)

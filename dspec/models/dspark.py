@@ -30,32 +30,22 @@ greedy acceptance (draft argmax = target argmax), used at T = 0.
 
 From scratch W2 is zero, so an untrained head is exactly DFlash's logits.
 
-Formats: a dspec checkpoint (kind 'dspark') or speculators' DSpark form (config.json with
-`speculators_model_type: "dspark"`, `markov_rank`, `markov_head_type`,
-`enable_confidence_head`, `confidence_head_with_markov`, `sample_from_anchor`; tensors
-`markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
-`markov_head.gate_proj.{weight,bias}`, `markov_head.joint_proj.{weight,bias}`,
-`confidence_head.proj.{weight,bias}` beside the DFlash body). dspec writes the calibration
-as the extra keys `dspec_confidence_temperatures` / `dspec_greedy_confidence_temperatures`.
+Formats: a dspec checkpoint (kind 'dspark', `save_dflash`) or speculators' DSpark form
+(`dspec.models.formats.dspark`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from safetensors.flax import save_file
 
-from dspec.checkpoint import CheckpointError, leaf_paths
-from dspec.sampling import processed_probs, sample_from_probs
-from dspec.files import write_atomic, write_json_atomic
-from dspec.models import drafter_formats as formats
 from dspec.models.config import TransformerConfig
-from dspec.models.dflash import DFlashConfig, DFlashModel, load_dspec_checkpoint
+from dspec.models.dflash import DFlashConfig, DFlashModel
+from dspec.sampling import processed_probs, sample_from_probs
 
 CHECKPOINT_KIND = 'dspark'
 HEAD_TYPES = ('vanilla', 'gated', 'rnn')
@@ -265,147 +255,3 @@ class DSparkModel(DFlashModel):
     if temps:
       z = z / jnp.asarray(temps[:z.shape[-1]], jnp.float32)
     return jnp.cumprod(jax.nn.sigmoid(z), axis=-1)
-
-
-# ------------------------------------------------------------------------ loading
-
-_HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
-
-
-def load_dspark(path, **overrides) -> DSparkModel:
-  """Loads a `kind='dspark'` dspec checkpoint; `overrides` replace config fields. A head
-  its config asks for but the checkpoint lacks is a FormatError (a ValueError)."""
-  try:
-    return load_dspec_checkpoint(path, DSparkModel, DSparkConfig, **overrides)
-  except CheckpointError as e:
-    for head, key in _HEAD_KEYS.items():
-      if f"leaf '{head}." in str(e):
-        raise formats.FormatError(f'{path}: the {head} weights are missing but its config '
-                                  f'{key} asks for that head') from None
-    raise
-
-
-def load_drafter(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
-                 **overrides) -> DSparkModel:
-  """A DSpark drafter from a dspec checkpoint or a speculators directory (detected)."""
-  path = os.fspath(path)
-  kind = formats.detect(path)
-  if kind == 'dspec':
-    return load_dspark(path, **overrides)
-  if kind == 'zlab':
-    raise formats.FormatError(f'{path}/config.json: a z-lab DFlash config, not DSpark '
-                              '(expected speculators_model_type "dspark")')
-  return read_speculators(path, num_target_layers=num_target_layers, dtype=dtype,
-                          **overrides)
-
-
-
-def read_speculators(path, *, num_target_layers: Optional[int] = None,
-                     dtype: str = 'float32', **overrides) -> DSparkModel:
-  """A DSpark drafter from a speculators directory (speculators_model_type dspark)."""
-  path = os.fspath(path)
-  file = os.path.join(path, 'config.json')
-  spec = formats._Keys(formats._read_json(file), file)
-  kind = spec.config.get('speculators_model_type')
-  if kind != 'dspark':
-    raise spec.error('speculators_model_type', f'must be "dspark", got {kind!r}')
-  depth = num_target_layers or formats._verifier_depth(spec)
-  if depth is None:
-    raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
-                     'directory: pass num_target_layers (the target depth)')
-  layer = formats._Keys(spec.get('transformer_layer_config', dict, required=True), file,
-                        'transformer_layer_config.')
-  shapes, n, attention = formats._layer_shapes(layer, depth, dtype)
-  if spec.get('target_hidden_size', int) not in (None, shapes.embed_dim):
-    raise spec.error('target_hidden_size', f'differs from the draft width {shapes.embed_dim}')
-  if spec.get('draft_vocab_size', int, shapes.vocab_size) != shapes.vocab_size:
-    raise spec.error('draft_vocab_size', 'is a reduced vocabulary: dspec\'s DSpark needs '
-                     'the full one')
-  if spec.get('sliding_window_non_causal', bool, False):
-    attention['is_causal'] = False
-  aux = spec.int_list('aux_hidden_state_layer_ids', required=True)
-  if not aux or min(aux) < 1:
-    raise spec.error('aux_hidden_state_layer_ids', f'must be hidden-state indices >= 1, '
-                     f'got {aux}')
-  fields = dict(
-      num_layers=n, block_size=spec.get('block_size', int, 8),
-      target_layer_ids=tuple(a - 1 for a in aux),
-      mask_token_id=spec.get('mask_token_id', int, required=True), final_tap_normed=True,
-      markov_rank=spec.get('markov_rank', int, 256),
-      markov_head_type=spec.config.get('markov_head_type', 'vanilla'),
-      enable_confidence_head=spec.get('enable_confidence_head', bool, True),
-      confidence_head_with_markov=spec.get('confidence_head_with_markov', bool, True),
-      sample_from_anchor=spec.get('sample_from_anchor', bool, True),
-      confidence_temperatures=tuple(spec.get('dspec_confidence_temperatures', list, [])),
-      greedy_confidence_temperatures=tuple(
-          spec.get('dspec_greedy_confidence_temperatures', list, [])),
-      **attention)
-  tensors = {k: v for k, v in formats._tensor_files(path).items()
-             if k not in formats._SPECULATORS_IGNORED + ('t2d', 'd2t')}
-  wanted = {'markov_head': fields['markov_rank'] > 0,
-            'confidence_head': fields['enable_confidence_head']}
-  for head, on in wanted.items():
-    has = any(k.startswith(head + '.') for k in tensors)
-    if on and not has:
-      raise formats.FormatError(f'{path}: the {head} tensors are missing but config.json '
-                                f'{_HEAD_KEYS[head]} asks for that head')
-    if has and not on:
-      raise formats.FormatError(f'{path}: {head} tensors are present but config.json '
-                                f'{_HEAD_KEYS[head]} turns that head off')
-  try:
-    cfg = DSparkConfig(**fields, **overrides)
-    drafter = nnx.eval_shape(lambda: DSparkModel(cfg, shapes, rngs=nnx.Rngs(0)))
-  except (TypeError, ValueError) as e:
-    raise formats.FormatError(f'{file}: {e}') from None
-  formats._fill(drafter, path, tensors)
-  return drafter
-
-
-# ------------------------------------------------------------------------ writing
-
-
-def speculators_config(drafter: DSparkModel) -> dict:
-  """speculators' DSpark config.json of a drafter (ValueError when it has no such form)."""
-  cfg, shapes = drafter.cfg, drafter.layer_cfg
-  formats.check_exportable(drafter, 'speculators')
-  layer_types = list(cfg.layer_types) or ['full_attention'] * cfg.num_layers
-  sliding_causal = cfg.is_causal is None or cfg.is_causal
-  if cfg.is_causal and 'full_attention' in layer_types:
-    raise ValueError('causal full-attention layers have no speculators form')
-  layer = formats.qwen3_layer_config(drafter, layer_types)
-  config = dict(
-      speculators_model_type='dspark', architectures=['DSparkSpeculator'],
-      transformer_layer_config=layer, draft_vocab_size=shapes.vocab_size,
-      block_size=cfg.block_size,
-      aux_hidden_state_layer_ids=[i + 1 for i in cfg.target_layer_ids],
-      mask_token_id=cfg.mask_token_id, target_hidden_size=None,
-      sliding_window_non_causal=not sliding_causal, sample_from_anchor=True,
-      markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
-      enable_confidence_head=cfg.enable_confidence_head,
-      confidence_head_with_markov=cfg.confidence_head_with_markov,
-      speculators_config={
-          'algorithm': 'dspark', 'default_proposal_method': 'greedy',
-          'proposal_methods': [{'proposal_type': 'greedy',
-                                'speculative_tokens': cfg.block_size}],
-          'verifier': {'name_or_path': None, 'architectures': []}},
-      speculators_version='0.9.0', tie_word_embeddings=False)
-  if cfg.confidence_temperatures:
-    config['dspec_confidence_temperatures'] = list(cfg.confidence_temperatures)
-  if cfg.greedy_confidence_temperatures:
-    config['dspec_greedy_confidence_temperatures'] = list(cfg.greedy_confidence_temperatures)
-  return config
-
-
-def save_speculators(path, drafter: DSparkModel, *, dtype: str = 'float32') -> None:
-  """Writes `config.json` + `model.safetensors` in speculators' DSpark form."""
-  path = os.fspath(path)
-  config = speculators_config(drafter)
-  tensors = {}
-  for name, leaf in leaf_paths(nnx.to_pure_dict(nnx.state(drafter, nnx.Param))).items():
-    torch_name, transpose = formats._torch_name(name, False)
-    tensors[torch_name] = jnp.asarray(leaf.T if transpose else leaf, dtype)
-  config['dtype'] = dtype
-  os.makedirs(path, exist_ok=True)
-  write_atomic(os.path.join(path, 'model.safetensors'),
-               lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}))
-  write_json_atomic(os.path.join(path, 'config.json'), config, indent=2)

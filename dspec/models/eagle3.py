@@ -26,7 +26,7 @@ index's keys of steps 1..s. That is exactly the context of a chained draft entry
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
 from flax import nnx
@@ -232,25 +232,3 @@ def save_eagle3(path, model: Eagle3Model, *, storage_dtype: str = 'float32',
                         config={CHECKPOINT_KIND: model.cfg.to_dict(),
                                 'target': model.target_cfg.to_dict()},
                         storage_dtype=storage_dtype, extra=extra, force=force)
-
-
-def load_dspec_eagle3(path) -> Eagle3Model:
-  """An Eagle3Model from a `kind='eagle3'` dspec checkpoint."""
-  metadata = checkpoint.read_model_metadata(path, CHECKPOINT_KIND)
-  try:
-    cfg = Eagle3Config.from_dict(metadata['config'][CHECKPOINT_KIND])
-    target_cfg = TransformerConfig.from_dict(metadata['config']['target'])
-  except (KeyError, TypeError, ValueError) as e:
-    raise checkpoint.CheckpointError(f'{path}: bad eagle3 config in metadata ({e})') from e
-  model = nnx.eval_shape(lambda: Eagle3Model(cfg, target_cfg, rngs=nnx.Rngs(0)))
-  checkpoint.load_model_state(path, model, CHECKPOINT_KIND)
-  return model
-
-
-def load_eagle3(path, *, target_cfg: Optional[TransformerConfig] = None,
-                taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
-  """An EAGLE-3 drafter from a dspec checkpoint, a speculators directory
-  (`speculators_model_type: eagle3`) or a legacy SafeAILab / SpecForge one (`midlayer.*`);
-  `target_cfg` (the target's config) and `taps` as in `eagle3_formats.load`."""
-  from dspec.models import eagle3_formats
-  return eagle3_formats.load(path, target_cfg=target_cfg, taps=taps, dtype=dtype)

@@ -11,7 +11,7 @@ depth k+1. The parallel variant (Gloeckle et al.) runs head k = one block on h^0
 (no token input, no chaining) and predicts the same t_{i+k+1}. Embedding and head are the
 target's, passed in at call time and never copied, unless an imported checkpoint ships its
 own per depth (`own_embedding` / `own_head`: DeepSeek-V3's `embed_tokens` and
-`shared_head.head` when they differ from the main model's, `mtp_formats`).
+`shared_head.head` when they differ from the main model's, `formats.mtp`).
 
 A reduced draft vocabulary (`draft_vocab`, FastMTP / FR-Spec vocabulary compression) makes
 the head score only those token ids (the head's rows of them); drafts map back to target
@@ -119,6 +119,8 @@ class MTP(DraftVocab, nnx.Module):
   """D MTP depths for a target of shape `target_cfg` (embedding and head borrowed unless
   `own_embedding` / `own_head`)."""
 
+  checkpoint_kind = CHECKPOINT_KIND
+
   def __init__(self, cfg: MTPConfig, target_cfg: TransformerConfig, *, rngs: nnx.Rngs):
     if cfg.draft_vocab and not 0 <= cfg.draft_vocab[0] <= cfg.draft_vocab[-1] < \
         target_cfg.vocab_size:
@@ -213,24 +215,3 @@ def save_mtp(path, mtp: MTP, *, storage_dtype: str = 'float32', force: bool = Fa
   checkpoint.save_model(path, mtp, kind=CHECKPOINT_KIND,
                         config={'mtp': mtp.cfg.to_dict(), 'target': mtp.target_cfg.to_dict()},
                         storage_dtype=storage_dtype, extra=extra, force=force)
-
-
-def load_dspec_mtp(path) -> MTP:
-  """An MTP from a `kind='mtp'` dspec checkpoint."""
-  metadata = checkpoint.read_model_metadata(path, CHECKPOINT_KIND)
-  try:
-    cfg = MTPConfig.from_dict(metadata['config']['mtp'])
-    target_cfg = TransformerConfig.from_dict(metadata['config']['target'])
-  except (KeyError, TypeError, ValueError) as e:
-    raise checkpoint.CheckpointError(f'{path}: bad mtp config in metadata ({e})') from e
-  mtp = nnx.eval_shape(lambda: MTP(cfg, target_cfg, rngs=nnx.Rngs(0)))
-  checkpoint.load_model_state(path, mtp, CHECKPOINT_KIND)
-  return mtp
-
-
-def load_mtp(path, *, target_cfg: TransformerConfig | None = None,
-             dtype: str = 'float32') -> MTP:
-  """An MTP from a dspec checkpoint, a speculators `mtp` directory or a HF checkpoint with
-  DeepSeek-V3-layout MTP layers (`num_nextn_predict_layers`); see `mtp_formats.load`."""
-  from dspec.models import mtp_formats
-  return mtp_formats.load(path, target_cfg=target_cfg, dtype=dtype)

@@ -29,8 +29,9 @@ from dspec.decoding.prompts import pad_prompts
 from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.dflash import (BD3LMContextMask, DFlashConfig, DFlashModel,
-                                 default_target_layer_ids, load_dflash)
+                                 default_target_layer_ids)
 from dspec.models.draft_vocab import frequent_tokens
+from dspec.models.formats.dflash import load_dflash
 from dspec.models.transformer import Transformer
 from dspec.training import dflash_task, tasks
 from pallas_kernels.block_attention import DFlashDraftMask, DFlashTrainMask

@@ -18,7 +18,8 @@ from lossless_checks import chi_square_pvalue
 from configs import dflash2_demo
 from dspec.decoding.verification import rejection_verify
 from dspec.models import dflash as dflash_lib
-from dspec.models import dflash2, drafter_formats
+from dspec.models import dflash2
+from dspec.models.formats.dflash import load_dflash
 from dspec.models.transformer import Transformer
 from dspec.training import dflash_task, tasks
 
@@ -239,14 +240,14 @@ def test_dflash2_task_trains_loads_and_exports(tmp_path):
   result = tasks.run_training(cfg, str(tmp_path / 'run'))
   for key in ('sel_loss', 'sel_tau_est', 'recall', 'unary_loss'):
     assert np.isfinite(result['last'][key])
-  drafter = dflash_lib.load_drafter(str(tmp_path / 'run' / 'final'))
+  drafter = load_dflash(str(tmp_path / 'run' / 'final'))
   assert isinstance(drafter, dflash2.DFlash2Model)
   out = tmp_path / 'zlab'
   proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py'),
                          f'--path={tmp_path / "run" / "final"}', f'--out={out}'],
                         capture_output=True, text=True, cwd=REPO_ROOT)
   assert proc.returncode == 0, proc.stderr
-  again = drafter_formats.load(str(out))
+  again = load_dflash(str(out))
   assert again.cfg.selector_top_k == drafter.cfg.selector_top_k
   for a, b in zip(jax.tree.leaves(nnx.state(again, nnx.Param)),
                   jax.tree.leaves(nnx.state(drafter, nnx.Param))):

@@ -22,7 +22,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspec.hf_import import load_hf_model
 from dspec.models import dflash as dflash_lib
-from dspec.models import dflash2, drafter_formats
+from dspec.models import dflash2, formats
+from dspec.models.formats import dflash as dflash_formats
 
 VOCAB, MASK, DEPTH, WIDTH = 128, 127, 6, 64
 PROMPT_LEN = 11
@@ -136,8 +137,8 @@ def _dspec_block(drafter, target, ids, block_size, verify):
 def test_draft_logits_match_zlab(root, target, name):
   hf, ours, ids, _ = target
   model, path = _zlab_drafter(root, name)
-  drafter = drafter_formats.load(path, num_target_layers=DEPTH)
-  assert drafter_formats.detect(path) == 'zlab'
+  drafter = dflash_formats.load_dflash(path, num_target_layers=DEPTH)
+  assert formats.detect(path) == 'zlab'
   big_b = CASES[name][2]['block_size']
   assert drafter.cfg.block_size == big_b
   assert list(drafter.cfg.target_layer_ids) == list(model.target_layer_ids)
@@ -157,7 +158,7 @@ def test_draft_logits_match_zlab(root, target, name):
 
 def test_default_taps_are_zlabs():
   for depth, n in ((36, 5), (6, 3), (4, 2), (3, 2), (7, 1), (28, 4)):
-    assert list(drafter_formats.zlab_target_layer_ids(depth, n)) == \
+    assert list(dflash_formats.zlab_target_layer_ids(depth, n)) == \
         zlab.build_target_layer_ids(depth, n)
 
 
@@ -168,7 +169,7 @@ def test_sampled_selector_q_matches_zlab(root, target):
   hf, ours, ids, _ = target
   name = 'dflash2_softcap_multiplier_b8'
   model, path = _zlab_drafter(root, name)
-  drafter = drafter_formats.load(path)
+  drafter = dflash_formats.load_dflash(path)
   _, z_hidden = _zlab_block(model, hf, ids, 8)
   _, hidden = _dspec_block(drafter, ours, ids, 8, 8)
   anchor = ids[:, -1]
@@ -216,13 +217,13 @@ def test_export_round_trip(root, target, kind):
       k = conv.kernel_projection.kernel
       k[...] = 0.1 * jax.random.normal(jax.random.key(2), k.shape)
   path = str(root / f'export_{kind}')
-  drafter_formats.save_zlab(path, drafter)
+  dflash_formats.save_zlab(path, drafter)
   cls = zlab.DFlash2DraftModel if kind == 'dflash2' else zlab.DFlashDraftModel
   model = cls.from_pretrained(path).eval()
   want, z_hidden = _zlab_block(model, hf, ids, 8)
   got, hidden = _dspec_block(drafter, ours, ids, 8, 8)
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-  back, _ = _dspec_block(drafter_formats.load(path), ours, ids, 8, 8)
+  back, _ = _dspec_block(dflash_formats.load_dflash(path), ours, ids, 8, 8)
   np.testing.assert_array_equal(back, got)
   if kind == 'dflash2':
     z_tokens, _, _ = model.propose(z_hidden, ids[:, -1], hf.lm_head, 0.0)
@@ -273,8 +274,8 @@ def test_speculators_form(root, target):
   model, path = _zlab_drafter(root, 'dflash_taps_b8')
   draft_vocab = list(range(0, VOCAB, 3))
   spec_path = _speculators_dir(root, 'dflash', path, target_path, draft_vocab)
-  assert drafter_formats.detect(spec_path) == 'speculators'
-  drafter = drafter_formats.load(spec_path)
+  assert formats.detect(spec_path) == 'speculators'
+  drafter = dflash_formats.load_dflash(spec_path)
   assert drafter.cfg.draft_vocab == tuple(draft_vocab)
   # speculators has no embedding scale or logit transforms: z-lab's drafter without them.
   model.config.dflash_config.pop('input_embedding_scale')
@@ -283,7 +284,7 @@ def test_speculators_form(root, target):
   np.testing.assert_allclose(got, want[:, draft_vocab], atol=TOL, rtol=0)
 
   model, path = _zlab_drafter(root, 'dflash2_softcap_multiplier_b8')
-  drafter = drafter_formats.load(_speculators_dir(root, 'dflash2', path, target_path))
+  drafter = dflash_formats.load_dflash(_speculators_dir(root, 'dflash2', path, target_path))
   assert isinstance(drafter, dflash2.DFlash2Model)
   model.config.dflash_config.pop('output_multiplier')
   model.config.dflash_config.pop('final_logit_softcapping')
@@ -301,8 +302,8 @@ def test_load_drafter_detects_dspec_checkpoints(root, target):
     drafter = drafter_class(cfg, ours.cfg, rngs=nnx.Rngs(0))
     path = str(root / f'dspec_{drafter.checkpoint_kind}')
     dflash_lib.save_dflash(path, drafter)
-    assert drafter_formats.detect(path) == 'dspec'
-    loaded = dflash_lib.load_drafter(path, attention_impl='xla')
+    assert formats.detect(path) == 'dspec'
+    loaded = dflash_formats.load_dflash(path, attention_impl='xla')
     assert type(loaded) is drafter_class and loaded.cfg == cfg
 
 
@@ -330,16 +331,16 @@ def test_format_errors_name_key_and_file(root):
   ]
   for i, (edit, key) in enumerate(cases):
     path, _ = _edit_config(root, f'bad{i}', src, edit)
-    with pytest.raises(drafter_formats.FormatError) as err:
-      drafter_formats.load(path)
+    with pytest.raises(formats.FormatError) as err:
+      dflash_formats.load_dflash(path)
     message = str(err.value)
     assert key in message and 'config.json' in message and '\n' not in message, message
 
   path, tensors = _edit_config(root, 'bad_tensor', src, lambda c: None)
   tensors['fc.weight'] = tensors['fc.weight'][:, :-1].contiguous()
   save_file(tensors, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
-  with pytest.raises(drafter_formats.FormatError, match=r"model.safetensors: tensor "
+  with pytest.raises(formats.FormatError, match=r"model.safetensors: tensor "
                      r"'fc.weight' has shape"):
-    drafter_formats.load(path)
-  with pytest.raises(drafter_formats.FormatError, match="'num_target_layers' is 6 but"):
-    drafter_formats.load(src, num_target_layers=8)
+    dflash_formats.load_dflash(path)
+  with pytest.raises(formats.FormatError, match="'num_target_layers' is 6 but"):
+    dflash_formats.load_dflash(src, num_target_layers=8)

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 from conftest import REPO_ROOT, TINY
 from dspec import checkpoint
 from dspec.models import dspark
+from dspec.models.formats.dspark import load_dspark, save_speculators
 from dspec.models.transformer import Transformer
 
 BLOCK = 4
@@ -111,7 +112,7 @@ def _speculators_dir(tmp_path, head_type, with_markov, head_tensors):
                                    layer_types=('full_attention',))
   model = dspark.DSparkModel(cfg, TINY, rngs=nnx.Rngs(1))
   path = str(tmp_path / f'spec_{head_type}_{with_markov}')
-  dspark.save_speculators(path, model)
+  save_speculators(path, model)
   tensors = load_file(os.path.join(path, 'model.safetensors'))
   tensors = {k: v for k, v in tensors.items() if not k.startswith(('markov_head.',
                                                                     'confidence_head.'))}
@@ -157,7 +158,7 @@ def test_heads_match_speculators(tmp_path, target, head_type, with_markov):
     np.testing.assert_allclose(handwritten[0], want_logits, atol=1e-4)
     np.testing.assert_allclose(handwritten[1], want_conf, atol=1e-4)
 
-  model = dspark.load_drafter(_speculators_dir(tmp_path, head_type, with_markov, tensors),
+  model = load_dspark(_speculators_dir(tmp_path, head_type, with_markov, tensors),
                               num_target_layers=TINY.num_layers)
   logits, conf = model.heads(target, jnp.asarray(hidden).reshape(1, -1, TINY.embed_dim),
                              jnp.asarray(prev).reshape(1, -1))
@@ -183,8 +184,8 @@ def test_speculators_round_trip_keeps_weights_and_calibration(tmp_path):
                                    markov_head_type='gated',
                                    confidence_temperatures=(1.5, 2.0, 0.5, 1.0))
   model = dspark.DSparkModel(cfg, TINY, rngs=nnx.Rngs(2))
-  dspark.save_speculators(tmp_path / 'a', model)
-  back = dspark.load_drafter(tmp_path / 'a', num_target_layers=TINY.num_layers)
+  save_speculators(tmp_path / 'a', model)
+  back = load_dspark(tmp_path / 'a', num_target_layers=TINY.num_layers)
   assert back.cfg.confidence_temperatures == cfg.confidence_temperatures
   assert back.cfg.markov_head_type == 'gated' and back.cfg.block_size == BLOCK
   mine = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -193,7 +194,7 @@ def test_speculators_round_trip_keeps_weights_and_calibration(tmp_path):
   # dspec checkpoint form too
   checkpoint.save_model(tmp_path / 'b', model, kind='dspark',
                         config={'dspark': cfg.to_dict(), 'target': TINY.to_dict()})
-  assert dspark.load_drafter(tmp_path / 'b').cfg == cfg
+  assert load_dspark(tmp_path / 'b').cfg == cfg
 
 
 def test_bad_input_is_one_clear_error(tmp_path):
@@ -206,14 +207,14 @@ def test_bad_input_is_one_clear_error(tmp_path):
   cfg = dspark.DSparkConfig.create(TINY.num_layers, num_layers=1, block_size=BLOCK,
                                    mask_token_id=63, target_layer_ids=(0,), markov_rank=RANK)
   model = dspark.DSparkModel(cfg, TINY, rngs=nnx.Rngs(3))
-  dspark.save_speculators(tmp_path / 's', model)
+  save_speculators(tmp_path / 's', model)
   tensors = load_file(str(tmp_path / 's' / 'model.safetensors'))
   for head, key in [('confidence_head', 'enable_confidence_head'),
                     ('markov_head', 'markov_rank')]:
     kept = {k: v for k, v in tensors.items() if not k.startswith(head)}
     save_file(kept, str(tmp_path / 's' / 'model.safetensors'))
     with pytest.raises(ValueError, match=f'{head} tensors are missing but config.json {key}'):
-      dspark.load_drafter(tmp_path / 's', num_target_layers=TINY.num_layers)
+      load_dspark(tmp_path / 's', num_target_layers=TINY.num_layers)
   # A dspec checkpoint whose config asks for a head it does not hold.
   off = dspark.DSparkConfig.create(TINY.num_layers, num_layers=1, block_size=BLOCK,
                                    mask_token_id=63, target_layer_ids=(0,), markov_rank=RANK,
@@ -222,7 +223,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
   checkpoint.save_model(tmp_path / 'd', dspark.DSparkModel(off, TINY, rngs=nnx.Rngs(4)),
                         kind='dspark', config={'dspark': lying, 'target': TINY.to_dict()})
   with pytest.raises(ValueError, match='confidence_head weights are missing'):
-    dspark.load_drafter(tmp_path / 'd')
+    load_dspark(tmp_path / 'd')
 
 
 def test_markov_rank_zero_with_the_confidence_head_is_one_line_from_train(tmp_path):

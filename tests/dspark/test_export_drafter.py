@@ -15,8 +15,9 @@ from flax import nnx
 
 from conftest import REPO_ROOT, TINY
 from dspec import checkpoint
-from dspec.models import dspark, eagle3_formats
+from dspec.models import dspark
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, save_eagle3
+from dspec.models.formats import load_dspark, load_eagle3
 from dspec.models.transformer import Transformer
 
 EXPORT = os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py')
@@ -70,7 +71,7 @@ def test_dspark_checkpoint_exports_to_speculators_and_drafts_the_same(
   rc, stdout, stderr = _export(f'--path={path}', f'--out={tmp_path / "spec"}')
   assert rc == 0, stderr
   assert 'dspark drafter in speculators form' in stdout
-  back = dspark.load_drafter(tmp_path / 'spec', num_target_layers=TINY.num_layers)
+  back = load_dspark(tmp_path / 'spec', num_target_layers=TINY.num_layers)
   assert back.cfg.confidence_temperatures == model.cfg.confidence_temperatures
   assert back.cfg.markov_head_type == 'rnn'
   tokens = jax.random.randint(jax.random.key(3), (1, 14), 0, TINY.vocab_size - 1)
@@ -93,7 +94,7 @@ def test_eagle3_checkpoint_exports_to_speculators_and_drafts_the_same(target, tm
                                '--format=speculators')
   assert rc == 0, stderr
   assert 'eagle3 drafter in speculators form' in stdout
-  back = eagle3_formats.load(tmp_path / 'spec', target_cfg=TINY)
+  back = load_eagle3(tmp_path / 'spec', target_cfg=TINY)
   assert back.cfg.draft_vocab == model.cfg.draft_vocab
   tokens = np.random.default_rng(0).integers(0, 64, (1, 13)).astype(np.int32)
   taps = target(tokens[:, :12], taps=model.cfg.target_layer_ids).taps_BTND

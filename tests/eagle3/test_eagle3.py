@@ -18,9 +18,9 @@ from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
-from dspec.models import eagle3_formats
 from dspec.models.config import TransformerConfig
-from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, load_eagle3, save_eagle3)
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model, save_eagle3
+from dspec.models.formats.eagle3 import load_eagle3, save_speculators
 from dspec.models.transformer import TargetOutput
 from lossless_checks import check_engine_samples_match_target
 from speculators_import import speculators_module
@@ -134,7 +134,7 @@ def test_greedy_equals_ar_through_every_format(tiny_split, tiny_model, ar_output
   decoding with them through the registry is token-for-token AR."""
   model = random_eagle3(tiny_model)
   save_eagle3(tmp_path / 'dspec', model)
-  eagle3_formats.save_speculators(tmp_path / 'spec', model)
+  save_speculators(tmp_path / 'spec', model)
   _legacy_from_speculators(tmp_path / 'spec', tmp_path / 'legacy')
   for kind in ('dspec', 'spec', 'legacy'):
     params_equal(model, load_eagle3(str(tmp_path / kind), target_cfg=TINY, taps=TAPS))
@@ -203,7 +203,7 @@ def test_ttt_logits_match_speculators(tiny_model, tmp_path, fields):
   import torch
   spec = _speculators()
   model = random_eagle3(tiny_model, **fields)
-  eagle3_formats.save_speculators(tmp_path, model)
+  save_speculators(tmp_path, model)
   config = spec.Eagle3SpeculatorConfig.from_pretrained(str(tmp_path))
   config.transformer_layer_config._attn_implementation = 'eager'
   ref = spec.Eagle3DraftModel(config)
@@ -235,7 +235,7 @@ def test_ttt_logits_match_speculators(tiny_model, tmp_path, fields):
 
 def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
   model = random_eagle3(tiny_model)
-  eagle3_formats.save_speculators(tmp_path / 'spec', model)
+  save_speculators(tmp_path / 'spec', model)
   wide = TransformerConfig(**dict(TINY.to_dict(), embed_dim=48))
   with pytest.raises(ValueError, match='hidden size 32 does not match the target width 48'):
     load_eagle3(str(tmp_path / 'spec'), target_cfg=wide)

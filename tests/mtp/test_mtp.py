@@ -19,7 +19,8 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.sampling import SamplingSpec
 from dspec.decoding.state import DraftContext
 from dspec.models.config import TransformerConfig
-from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp
+from dspec.models.formats.mtp import load_mtp
+from dspec.models.mtp import MTP, MTPConfig, save_mtp
 from dspec.models.transformer import TargetOutput
 from dspec.training import trainer
 from dspec.training.distill import load_distilled

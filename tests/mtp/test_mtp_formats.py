@@ -30,9 +30,10 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.hf_export import hf_config_dict, hf_state_dict
-from dspec.models import mtp_formats
+from dspec.models import formats
 from dspec.models.config import TransformerConfig
-from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp
+from dspec.models.formats.mtp import load_mtp, save_speculators
+from dspec.models.mtp import MTP, MTPConfig, save_mtp
 from dspec.models.transformer import Transformer
 from speculators_import import speculators_module
 
@@ -120,7 +121,7 @@ def test_speculators_round_trip(tiny_model, tmp_path):
   spec = speculators_module('models.mtp')
   mtp = MTP(MTPConfig(num_depths=2, shared_depth=True), TINY, rngs=nnx.Rngs(4))
   mtp.depths[0].layer.mlp.down_proj.kernel[...] *= 10.0
-  mtp_formats.save_speculators(tmp_path, mtp)
+  save_speculators(tmp_path, mtp)
   back = load_mtp(str(tmp_path), target_cfg=TINY)
   assert back.cfg == mtp.cfg
   for (name, a), b in zip(leaf_paths(nnx.to_pure_dict(nnx.state(mtp, nnx.Param))).items(),
@@ -141,7 +142,7 @@ def test_speculators_round_trip(tiny_model, tmp_path):
   np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-4)
 
   with pytest.raises(ValueError, match='shared_depth=False has no speculators form'):
-    mtp_formats.save_speculators(tmp_path / 'x', MTP(MTPConfig(num_depths=2), TINY,
+    save_speculators(tmp_path / 'x', MTP(MTPConfig(num_depths=2), TINY,
                                                      rngs=nnx.Rngs(0)))
 
 
@@ -271,7 +272,7 @@ def deepseek_reference(path, target, tokens):
 ], ids=['shared', 'own_head'])
 def test_deepseek_layout_matches_reference(tiny_model, tmp_path, embedding, head, own):
   path = write_deepseek_dir(tmp_path, tiny_model, embedding=embedding, head=head)
-  assert mtp_formats.detect(path) == 'deepseek'
+  assert formats.detect(path) == 'deepseek'
   mtp = load_mtp(path, target_cfg=TINY)
   assert (mtp.cfg.own_embedding, mtp.cfg.own_head) == own
   assert mtp.cfg.num_depths == 2 and mtp.cfg.chained and not mtp.cfg.shared_depth
@@ -385,7 +386,7 @@ def test_bad_checkpoints_give_one_line(tiny_model, tmp_path):
     load_mtp(path)
 
   spec_dir = tmp_path / 'spec'
-  mtp_formats.save_speculators(spec_dir, MTP(MTPConfig(shared_depth=True), TINY,
+  save_speculators(spec_dir, MTP(MTPConfig(shared_depth=True), TINY,
                                              rngs=nnx.Rngs(0)))
   config = json.load(open(spec_dir / 'config.json'))
   json.dump(dict(config, num_nextn_predict_layers=2), open(spec_dir / 'config.json', 'w'))

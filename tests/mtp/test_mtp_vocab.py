@@ -22,7 +22,8 @@ from dspec.decoding.drafters import registry
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.models.draft_vocab import frequent_tokens
-from dspec.models.mtp import MTP, MTPConfig, load_mtp, save_mtp
+from dspec.models.formats.mtp import load_mtp
+from dspec.models.mtp import MTP, MTPConfig, save_mtp
 from dspec.sampling import SamplingSpec
 from dspec.training import trainer
 from dspec.training.mtp_task import build_joint_task, posthoc_task

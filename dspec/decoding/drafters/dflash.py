@@ -26,7 +26,7 @@ the block, fills the most confident still-masked slots with their argmax (an equ
 per step), and the last step fills the rest. One step (the default) is the reference.
 
 Checkpoints: a dspec checkpoint (kind dflash / dflash2) or a z-lab / speculators directory
-(`dspec.models.drafter_formats`), detected from the files.
+(`dspec.models.formats.dflash`), detected from the files.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dspec.models import dflash as dflash_model
 from dspec.models import dflash2
 from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig
+from dspec.models.formats.dflash import load_dflash
 from dspec.models.kv_cache import KVCache
 
 
@@ -235,7 +236,6 @@ def _append_context(model: dflash_model.DFlashModel, cache: KVCache, fused_BTD,
 def build(cfg, target) -> Tuple[DFlashDrafter, Any]:
   """(drafter, params) from `cfg.drafters.dflash` (path, num_draft, denoise_steps, ...)."""
   c = cfg.drafters.dflash
-  model = dflash_model.load_drafter(checkpoint_path(cfg, 'dflash'),
-                                    attention_impl=c.attention_impl,
-                                    num_target_layers=target.cfg.num_layers)
+  model = load_dflash(checkpoint_path(cfg, 'dflash'), attention_impl=c.attention_impl,
+                      num_target_layers=target.cfg.num_layers)
   return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps)

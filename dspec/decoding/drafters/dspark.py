@@ -50,6 +50,7 @@ from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_an
 from dspec.decoding.drafters.dflash import DFlashDrafter, DFlashState
 from dspec.decoding.state import Proposal
 from dspec.models import dspark as dspark_model
+from dspec.models.formats.dspark import load_dspark
 
 
 @struct.dataclass
@@ -166,8 +167,7 @@ class DSparkDrafter(DFlashDrafter):
 def build(cfg, target) -> Tuple[DSparkDrafter, Any]:
   """(drafter, params) from `cfg.drafters.dspark` (path, num_draft, verify_cost, ...)."""
   c = cfg.drafters.dspark
-  model = dspark_model.load_drafter(checkpoint_path(cfg, 'dspark'),
-                                    attention_impl=c.attention_impl,
-                                    num_target_layers=target.cfg.num_layers)
+  model = load_dspark(checkpoint_path(cfg, 'dspark'), attention_impl=c.attention_impl,
+                      num_target_layers=target.cfg.num_layers)
   return DSparkDrafter.create(model, num_draft=c.num_draft, verify_cost=c.verify_cost,
                               verify_budget=c.verify_budget)

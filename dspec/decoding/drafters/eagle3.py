@@ -36,7 +36,8 @@ from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_an
 from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
-from dspec.models.eagle3 import Eagle3Config, Eagle3Model, load_eagle3
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model
+from dspec.models.formats.eagle3 import load_eagle3
 from dspec.models.kv_cache import KVCache
 
 

@@ -50,8 +50,9 @@ from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_an
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.draft_vocab import read_token_map
+from dspec.models.formats.mtp import load_mtp
 from dspec.models.kv_cache import KVCache
-from dspec.models.mtp import MTP, MTPConfig, load_mtp
+from dspec.models.mtp import MTP, MTPConfig
 
 
 @struct.dataclass

@@ -22,55 +22,24 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
-from dspec.checkpoint import leaf_paths
-from dspec.files import write_atomic, write_json_atomic
-from dspec.hf_import import _open_safetensors, _tensor_files
 from dspec.models.config import TransformerConfig
-from dspec.models.drafter_formats import (FormatError, _draft_vocab, _Keys, _read_json,
-                                          _verifier_depth, fill_params, layer_rope_theta,
-                                          read_config)
-from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
-                                 load_dspec_eagle3)
+from dspec.models.eagle3 import Eagle3Config, Eagle3Model, default_target_layer_ids
+from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, fill_params,
+                                              layer_rope_theta, read_draft_vocab,
+                                              read_drafter, read_json, verifier_depth)
+from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
+                                                 tensor_files, write_model_dir)
 
 _IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight', 'verifier_norm.weight',
             't2d', 'd2t')
 _NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')
 
 
-def detect(path) -> str:
-  """'dspec', 'speculators' or 'legacy' for an EAGLE-3 directory."""
-  config = read_config(path)
-  if config is None:
-    return 'dspec'
-  return 'speculators' if 'speculators_model_type' in config else 'legacy'
-
-
-def load(path, *, target_cfg: Optional[TransformerConfig] = None,
-         taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
-  """An EAGLE-3 drafter from any supported directory (see `detect`).
-
-  target_cfg: the target's config (its depth resolves the taps of an import; its width is
-  checked against the checkpoint's); a speculators config can name the depth through a
-  readable verifier directory instead. taps: 0-based tap layers of a legacy checkpoint
-  (default EAGLE-3's). `dtype`: parameter and compute dtype of imports.
-  """
-  path = os.fspath(path)
-  kind = detect(path)
-  if kind == 'dspec':
-    return load_dspec_eagle3(path)
-  file = os.path.join(path, 'config.json')
-  keys = _Keys(_read_json(file), file)
-  if kind == 'speculators':
-    return _read_speculators(path, keys, target_cfg, dtype)
-  return _read_legacy(path, keys, target_cfg, taps, dtype)
-
-
-def _layer_shapes(keys: _Keys, vocab: int, depth: int, dtype: str) -> TransformerConfig:
+def _layer_shapes(keys: ConfigKeys, vocab: int, depth: int, dtype: str) -> TransformerConfig:
   rope_theta = layer_rope_theta(keys, ('llama', 'qwen3'))
   model_type = keys.config.get('model_type', 'llama')
   layer_types = keys.get('layer_types', list) or []
@@ -96,6 +65,13 @@ def _check_width(file: str, hidden: int, target_cfg: Optional[TransformerConfig]
                       f'target width {target_cfg.embed_dim}')
 
 
+def _stored_name(param: str) -> tuple:
+  """(speculators tensor name, transposed) of a dotted param path."""
+  if param.endswith('.kernel'):
+    return param[:-len('kernel')] + 'weight', True
+  return param, False
+
+
 def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict,
            rename=lambda name: name) -> Eagle3Model:
   """The model with every param read from `tensors` {stored name: file}; `rename` maps a
@@ -105,7 +81,7 @@ def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict
   fc = by_name.get('fc.weight')
   n_taps = len(cfg_fields['target_layer_ids'])
   if fc is not None:
-    with _open_safetensors(fc[0]) as f:
+    with open_safetensors(fc[0]) as f:
       width = f.get_slice(fc[1]).get_shape()[-1]
     if width != n_taps * shapes.embed_dim:
       raise FormatError(f'{fc[0]}: tensor fc.weight fuses {width // shapes.embed_dim} taps '
@@ -115,27 +91,37 @@ def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict
     model = nnx.eval_shape(lambda: Eagle3Model(cfg, shapes, rngs=nnx.Rngs(0)))
   except (TypeError, ValueError) as e:
     raise FormatError(f'{file}: {e}') from None
-  def locate(dspec_name):
-    if dspec_name.endswith('.kernel'):
-      return dspec_name[:-len('kernel')] + 'weight', True
-    return dspec_name, False
-
-  fill_params(model, path, by_name, locate)
+  fill_params(model, path, by_name, _stored_name)
   return model
 
 
-def _vocab(path, keys: _Keys, tensors: dict, vocab: int) -> tuple:
+def _vocab(path, keys: ConfigKeys, tensors: dict, vocab: int) -> tuple:
   size = keys.get('draft_vocab_size', int, vocab)
-  return _draft_vocab(path, tensors, vocab, size) if size != vocab else ()
+  return read_draft_vocab(path, tensors, vocab, size) if size != vocab else ()
 
 
-def _read_speculators(path, spec: _Keys, target_cfg, dtype) -> Eagle3Model:
+def read_dspec(path, *, target_cfg: Optional[TransformerConfig] = None,
+               taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
+  """An EAGLE-3 drafter from a dspec checkpoint (which holds its own configs, taps and
+  dtype: the arguments are not read)."""
+  del target_cfg, taps, dtype
+  return dspec_checkpoint.load(path, Eagle3Model, Eagle3Config)
+
+
+def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
+                     taps: Optional[Sequence[int]] = None,
+                     dtype: str = 'float32') -> Eagle3Model:
+  """An EAGLE-3 drafter from a speculators directory (`taps` is not read: the config
+  names them)."""
+  del taps
+  file = os.path.join(path, 'config.json')
+  spec = ConfigKeys(read_json(file), file)
   kind = spec.config.get('speculators_model_type')
   if kind != 'eagle3':
     raise spec.error('speculators_model_type', f'must be "eagle3", got {kind!r}')
-  layer = _Keys(spec.get('transformer_layer_config', dict, required=True), spec.file,
-                'transformer_layer_config.')
-  depth = target_cfg.num_layers if target_cfg is not None else _verifier_depth(spec)
+  layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
+                     'transformer_layer_config.')
+  depth = target_cfg.num_layers if target_cfg is not None else verifier_depth(spec)
   if depth is None:
     raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
                      'directory: pass the target config (its depth resolves the taps)')
@@ -152,7 +138,7 @@ def _read_speculators(path, spec: _Keys, target_cfg, dtype) -> Eagle3Model:
                      f'indices in [1, {depth}] of the {depth}-layer target')
   steps = [m.get('speculative_tokens') for m in (spec.config.get('speculators_config') or {})
            .get('proposal_methods') or [] if isinstance(m, dict)]
-  tensors = _tensor_files(path)
+  tensors = tensor_files(path)
   fields = dict(target_layer_ids=tuple(a - 1 for a in aux),
                 num_layers=layer.get('num_hidden_layers', int, 1),
                 draft_vocab=_vocab(path, spec, tensors, vocab),
@@ -162,8 +148,12 @@ def _read_speculators(path, spec: _Keys, target_cfg, dtype) -> Eagle3Model:
   return _build(path, fields, shapes, tensors)
 
 
-def _read_legacy(path, keys: _Keys, target_cfg, taps, dtype) -> Eagle3Model:
-  tensors = _tensor_files(path)
+def read_legacy(path, *, target_cfg: Optional[TransformerConfig] = None,
+                taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
+  """An EAGLE-3 drafter from a legacy SafeAILab / SpecForge directory (`midlayer.*`)."""
+  file = os.path.join(path, 'config.json')
+  keys = ConfigKeys(read_json(file), file)
+  tensors = tensor_files(path)
   if not any(name.startswith('midlayer.') for name in tensors):
     raise FormatError(f'{path}: neither a speculators config (speculators_model_type) nor '
                       'legacy EAGLE-3 tensors (midlayer.*)')
@@ -182,6 +172,21 @@ def _read_legacy(path, keys: _Keys, target_cfg, taps, dtype) -> Eagle3Model:
   return _build(path, fields, shapes, tensors,
                 rename=lambda n: 'layers.0.' + n[len('midlayer.'):]
                 if n.startswith('midlayer.') else n)
+
+
+READERS = {'dspec': read_dspec, 'speculators': read_speculators, 'legacy': read_legacy}
+
+
+def load_eagle3(path, *, target_cfg: Optional[TransformerConfig] = None,
+                taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
+  """An EAGLE-3 drafter from a dspec checkpoint, a speculators directory or a legacy one.
+
+  target_cfg: the target's config (its depth resolves the taps of an import; its width is
+  checked against the checkpoint's); a speculators config can name the depth through a
+  readable verifier directory instead. taps: 0-based tap layers of a legacy checkpoint
+  (default EAGLE-3's). `dtype`: parameter and compute dtype of imports.
+  """
+  return read_drafter(path, READERS, target_cfg=target_cfg, taps=taps, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -219,22 +224,12 @@ def speculators_config(model: Eagle3Model) -> dict:
 
 def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32') -> None:
   """Writes config.json + model.safetensors in speculators form (t2d/d2t included)."""
-  path = os.fspath(path)
   config = speculators_config(model)
-  tensors = {}
-  for name, leaf in leaf_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
-    if name.endswith('.kernel'):
-      tensors[name[:-len('kernel')] + 'weight'] = np.asarray(jnp.asarray(leaf.T, dtype))
-    else:
-      tensors[name] = np.asarray(jnp.asarray(leaf, dtype))
+  tensors = stored_tensors(model, _stored_name, dtype)
   if model.cfg.draft_vocab:
     ids = np.asarray(model.cfg.draft_vocab, np.int64)
     t2d = np.zeros((model.target_cfg.vocab_size,), bool)
     t2d[ids] = True
     tensors['t2d'] = t2d
     tensors['d2t'] = np.asarray(ids - np.arange(len(ids)), np.int64)
-  config['dtype'] = dtype
-  os.makedirs(path, exist_ok=True)
-  write_atomic(os.path.join(path, 'model.safetensors'),
-               lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}))
-  write_json_atomic(os.path.join(path, 'config.json'), config, indent=2)
+  write_model_dir(path, config, tensors, dtype)

@@ -36,17 +36,17 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
-from dspec.checkpoint import leaf_paths
-from dspec.files import write_atomic, write_json_atomic
-from dspec.hf_import import _open_safetensors, _tensor_files, config_from_hf
 from dspec.models.config import TransformerConfig
-from dspec.models.drafter_formats import FormatError, _Keys, _read_json, fill_params, read_config
-from dspec.models.mtp import MTP, MTPConfig, load_dspec_mtp
+from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, fill_params,
+                                              read_drafter, read_json)
+from dspec.models.formats.hf_config import config_from_hf
+from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
+                                                 tensor_files, write_model_dir)
+from dspec.models.mtp import MTP, MTPConfig
 
 # Per-depth (non-block) leaves: dspec name -> (stored name, transposed).
 _DEEPSEEK_LEAVES = {
@@ -68,39 +68,10 @@ _UNSUPPORTED_PARTS = ('q_a_proj', 'q_a_layernorm', 'q_b_proj', 'kv_a_proj_with_m
                       'e_score_correction_bias')
 
 
-def detect(path) -> str:
-  """'dspec', 'speculators' or 'deepseek' for an MTP directory."""
-  config = read_config(path)
-  if config is None:
-    return 'dspec'
-  if 'speculators_model_type' in config:
-    return 'speculators'
-  if 'num_nextn_predict_layers' in config:
-    return 'deepseek'
-  raise FormatError(f'{os.path.join(os.fspath(path), "config.json")}: neither a '
-                    'speculators config (speculators_model_type) nor a checkpoint with MTP '
-                    'layers (num_nextn_predict_layers)')
-
-
-def load(path, *, target_cfg: Optional[TransformerConfig] = None,
-         dtype: str = 'float32') -> MTP:
-  """An MTP from any supported directory (see `detect`). target_cfg: the target's config,
-  whose width is checked against an import's; `dtype`: parameter and compute dtype of
-  imports."""
-  path = os.fspath(path)
-  kind = detect(path)
-  if kind == 'dspec':
-    return load_dspec_mtp(path)
-  file = os.path.join(path, 'config.json')
-  keys = _Keys(_read_json(file), file)
-  read = _read_speculators if kind == 'speculators' else _read_deepseek
-  return read(path, keys, target_cfg, dtype)
-
-
 # ---------------------------------------------------------------------------- reading
 
 
-def _shapes(keys: _Keys, target_cfg, dtype: str) -> TransformerConfig:
+def _shapes(keys: ConfigKeys, target_cfg, dtype: str) -> TransformerConfig:
   """The target-shaped TransformerConfig of an HF config dict (the MTP block's shapes)."""
   try:
     shapes = config_from_hf(keys.config, dtype)
@@ -114,34 +85,50 @@ def _shapes(keys: _Keys, target_cfg, dtype: str) -> TransformerConfig:
 
 def _build(path: str, cfg: MTPConfig, shapes: TransformerConfig, tensors: dict,
            stored_name) -> MTP:
-  """The MTP with every param read from `tensors` {stored name: file}; `stored_name`
-  maps (depth module index, leaf name within it) to (stored name, transposed). Tensors
-  the model does not read are an error."""
+  """The MTP with every param read from `tensors` {stored name: file}; `stored_name` maps
+  a param path to (stored name, transposed). Tensors the model does not read are an
+  error."""
   try:
     model = nnx.eval_shape(lambda: MTP(cfg, shapes, rngs=nnx.Rngs(0)))
   except ValueError as e:
     raise FormatError(f'{os.path.join(path, "config.json")}: {e}') from None
-  def locate(dspec_name):
-    _, j, leaf_name = dspec_name.split('.', 2)
-    return stored_name(int(j), leaf_name)
-
-  fill_params(model, path, {name: (file, name) for name, file in tensors.items()}, locate)
+  fill_params(model, path, {name: (file, name) for name, file in tensors.items()},
+              stored_name)
   return model
 
 
 def _namer(prefix_of, leaves: dict):
-  def stored_name(j: int, leaf_name: str) -> tuple:
+  """stored_name(param path) -> (stored name, transposed): `prefix_of(depth module
+  index)` + the block's HF name or the name `leaves` gives a per-depth leaf."""
+  def stored_name(param: str) -> tuple:
+    _, j, leaf_name = param.split('.', 2)
+    prefix = prefix_of(int(j))
     if leaf_name.startswith('layer.'):
       rest = leaf_name[len('layer.'):]
       if rest.endswith('.kernel'):
-        return prefix_of(j) + rest[:-len('kernel')] + 'weight', True
-      return prefix_of(j) + rest, False
+        return prefix + rest[:-len('kernel')] + 'weight', True
+      return prefix + rest, False
     name, transpose = leaves[leaf_name]
-    return prefix_of(j) + name, transpose
+    return prefix + name, transpose
   return stored_name
 
 
-def _read_speculators(path: str, spec: _Keys, target_cfg, dtype: str) -> MTP:
+_speculators_name = _namer(lambda j: _SPECULATORS_PREFIX, _SPECULATORS_LEAVES)
+
+
+def read_dspec(path, *, target_cfg: Optional[TransformerConfig] = None,
+               dtype: str = 'float32') -> MTP:
+  """An MTP from a dspec checkpoint (which holds its own configs and dtype: the arguments
+  are not read)."""
+  del target_cfg, dtype
+  return dspec_checkpoint.load(path, MTP, MTPConfig)
+
+
+def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
+                     dtype: str = 'float32') -> MTP:
+  """An MTP from a speculators `mtp` directory."""
+  file = os.path.join(path, 'config.json')
+  spec = ConfigKeys(read_json(file), file)
   kind = spec.config.get('speculators_model_type')
   if kind != 'mtp':
     raise spec.error('speculators_model_type', f'must be "mtp", got {kind!r}')
@@ -149,8 +136,8 @@ def _read_speculators(path: str, spec: _Keys, target_cfg, dtype: str) -> MTP:
   if layers != 1:
     raise spec.error('num_nextn_predict_layers', f'must be 1 (speculators\' MTP has one '
                      f'layer), got {layers}')
-  layer = _Keys(spec.get('transformer_layer_config', dict, required=True), spec.file,
-                'transformer_layer_config.')
+  layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
+                     'transformer_layer_config.')
   shapes = _shapes(layer, target_cfg, dtype)
   methods = (spec.get('speculators_config', dict) or {}).get('proposal_methods') or [{}]
   first = methods[0] if isinstance(methods, list) else None
@@ -159,14 +146,13 @@ def _read_speculators(path: str, spec: _Keys, target_cfg, dtype: str) -> MTP:
     raise spec.error('speculators_config.proposal_methods[0].speculative_tokens',
                      f'must be a positive integer, got {steps!r}')
   cfg = MTPConfig(num_depths=min(steps, 4), shared_depth=True)
-  tensors = {name: file for name, file in _tensor_files(path).items()
+  tensors = {name: file for name, file in tensor_files(path).items()
              if name not in _SPECULATORS_IGNORED}
-  return _build(path, cfg, shapes, tensors,
-                _namer(lambda j: _SPECULATORS_PREFIX, _SPECULATORS_LEAVES))
+  return _build(path, cfg, shapes, tensors, _speculators_name)
 
 
 def _same_tensor(tensors: dict, a: str, b: str) -> bool:
-  with _open_safetensors(tensors[a]) as fa, _open_safetensors(tensors[b]) as fb:
+  with open_safetensors(tensors[a]) as fa, open_safetensors(tensors[b]) as fb:
     x, y = np.asarray(fa.get_tensor(a)), np.asarray(fb.get_tensor(b))
   return x.shape == y.shape and np.array_equal(x, y)
 
@@ -184,13 +170,17 @@ def _own(tensors: dict, names: list, main: Optional[str]) -> bool:
   return main not in tensors or not all(_same_tensor(tensors, n, main) for n in names)
 
 
-def _read_deepseek(path: str, keys: _Keys, target_cfg, dtype: str) -> MTP:
+def read_deepseek(path, *, target_cfg: Optional[TransformerConfig] = None,
+                  dtype: str = 'float32') -> MTP:
+  """An MTP from the DeepSeek-V3-layout MTP layers of a HF checkpoint."""
+  file = os.path.join(path, 'config.json')
+  keys = ConfigKeys(read_json(file), file)
   depth = keys.get('num_hidden_layers', int, required=True)
   n = keys.get('num_nextn_predict_layers', int, required=True)
   if not 1 <= n <= 4:
     raise keys.error('num_nextn_predict_layers', f'must be in 1..4, got {n}')
   prefixes = tuple(f'model.layers.{depth + j}.' for j in range(n))
-  all_tensors = _tensor_files(path)
+  all_tensors = tensor_files(path)
   tensors = {name: file for name, file in all_tensors.items() if name.startswith(prefixes)}
   for name in sorted(tensors):
     bad = [p for p in name.split('.') if p in _UNSUPPORTED_PARTS]
@@ -216,6 +206,17 @@ def _read_deepseek(path: str, keys: _Keys, target_cfg, dtype: str) -> MTP:
                   own_head=own_head)
   return _build(path, cfg, shapes, tensors,
                 _namer(lambda j: prefixes[j], _DEEPSEEK_LEAVES))
+
+
+READERS = {'dspec': read_dspec, 'speculators': read_speculators, 'deepseek': read_deepseek}
+
+
+def load_mtp(path, *, target_cfg: Optional[TransformerConfig] = None,
+             dtype: str = 'float32') -> MTP:
+  """An MTP from a dspec checkpoint, a speculators `mtp` directory or a HF checkpoint with
+  DeepSeek-V3-layout MTP layers. target_cfg: the target's config, whose width is checked
+  against an import's; `dtype`: parameter and compute dtype of imports."""
+  return read_drafter(path, READERS, target_cfg=target_cfg, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -259,16 +260,5 @@ def speculators_config(mtp: MTP) -> dict:
 
 def save_speculators(path, mtp: MTP, *, dtype: str = 'float32') -> None:
   """Writes config.json + model.safetensors in speculators `mtp` form."""
-  path = os.fspath(path)
-  config = speculators_config(mtp)
-  stored_name = _namer(lambda j: _SPECULATORS_PREFIX, _SPECULATORS_LEAVES)
-  tensors = {}
-  for name, leaf in leaf_paths(nnx.to_pure_dict(nnx.state(mtp, nnx.Param))).items():
-    _, j, leaf_name = name.split('.', 2)
-    stored, transpose = stored_name(int(j), leaf_name)
-    tensors[stored] = np.asarray(jnp.asarray(leaf.T if transpose else leaf, dtype))
-  config['dtype'] = dtype
-  os.makedirs(path, exist_ok=True)
-  write_atomic(os.path.join(path, 'model.safetensors'),
-               lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}))
-  write_json_atomic(os.path.join(path, 'config.json'), config, indent=2)
+  write_model_dir(path, speculators_config(mtp), stored_tensors(mtp, _speculators_name, dtype),
+                  dtype)
