@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspec.decoding.state import DraftContext, Proposal
+from dspec.sampling import processed_probs, sample_from_probs
 
 
 class Drafter(Protocol):
@@ -217,6 +218,20 @@ def check_width_and_vocab(kind: str, drafter_target_cfg, target_cfg) -> None:
   if target_cfg.vocab_size != drafter_target_cfg.vocab_size:
     raise ValueError(f'{kind} drafter vocab {drafter_target_cfg.vocab_size} does not match '
                      f'the target vocab {target_cfg.vocab_size}')
+
+
+def pick_draft(model, logits_BV, ctx: DraftContext, key, sample: bool):
+  """(target token ids [B], q [B, V] over the target vocabulary or None) of one draft from
+  the draft-vocabulary logits of a `DraftVocab` model: the argmax, or at T > 0 with
+  `sample` a sample of the processed distribution."""
+  if ctx.sampling.greedy or not sample:
+    return model.token_ids(jnp.argmax(logits_BV, axis=-1)), None
+  q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
+  token_B = model.token_ids(sample_from_probs(key, q_BV))
+  if model.cfg.draft_vocab:
+    full = jnp.zeros((q_BV.shape[0], model.target_cfg.vocab_size), q_BV.dtype)
+    q_BV = full.at[:, jnp.asarray(model.cfg.draft_vocab)].set(q_BV)
+  return token_B, q_BV
 
 
 def checkpoint_path(cfg, kind: str) -> str:

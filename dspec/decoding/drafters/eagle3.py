@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
-                                    checkpoint_path, record_window, sync_in_windows)
-from dspec.sampling import processed_probs, sample_from_probs
+                                    checkpoint_path, pick_draft, record_window,
+                                    sync_in_windows)
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model
@@ -121,17 +121,6 @@ class Eagle3Drafter(DrafterBase):
                       state.carry_BD.astype(x.dtype)).astype(state.carry_BD.dtype)
     return state.replace(cache=cache.with_lengths(start_B + num_valid_B), carry_BD=carry)
 
-  def _pick(self, model, logits_BV, ctx, key):
-    """(target token id, q over the target vocabulary or None) of one draft."""
-    if ctx.sampling.greedy or not self.sample_proposals:
-      return model.token_ids(jnp.argmax(logits_BV, axis=-1)), None
-    q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
-    token_B = model.token_ids(sample_from_probs(key, q_BV))
-    if self.config.draft_vocab:
-      full = jnp.zeros((q_BV.shape[0], self.target_cfg.vocab_size), q_BV.dtype)
-      q_BV = full.at[:, jnp.asarray(self.config.draft_vocab)].set(q_BV)
-    return token_B, q_BV
-
   # ------------------------------------------------------------------ protocol
 
   def init(self, params, target, ctx, prefill_out):
@@ -200,7 +189,8 @@ class Eagle3Drafter(DrafterBase):
         x_BD = model.block(target, model.next_hidden(x_BD)[:, None], tokens[-1][:, None],
                            positions_B1, kv_fn_of)[:, 0]
       logits_BV = model.logits(x_BD[:, None])[:, 0]
-      token_B, q_BV = self._pick(model, logits_BV, ctx, jax.random.fold_in(key, k))
+      token_B, q_BV = pick_draft(model, logits_BV, ctx, jax.random.fold_in(key, k),
+                                 self.sample_proposals)
       tokens.append(token_B)
       logits.append(logits_BV)
       qs.append(q_BV)

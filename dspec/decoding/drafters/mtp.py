@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dspec.sampling import processed_probs, sample_from_probs
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
-                                    checkpoint_path, record_window, sync_in_windows)
+                                    checkpoint_path, pick_draft, record_window,
+                                    sync_in_windows)
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.draft_vocab import read_token_map
@@ -164,17 +164,6 @@ class MTPDrafter(DrafterBase):
       x_prev = x
     return cache, jnp.stack(carries)
 
-  def _pick(self, mtp, logits_BV, ctx, key):
-    """(target token id, q over the target vocabulary or None) for one draft position."""
-    if ctx.sampling.greedy or not self.sample_proposals:
-      return mtp.token_ids(jnp.argmax(logits_BV, axis=-1)), None
-    q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
-    token_B = mtp.token_ids(sample_from_probs(key, q_BV))
-    if self.config.draft_vocab:
-      full = jnp.zeros((q_BV.shape[0], self.target_cfg.vocab_size), q_BV.dtype)
-      q_BV = full.at[:, jnp.asarray(self.config.draft_vocab)].set(q_BV)
-    return token_B, q_BV
-
   # ------------------------------------------------------------------ protocol
 
   def init(self, params, target, ctx, prefill_out):
@@ -239,7 +228,8 @@ class MTPDrafter(DrafterBase):
                              jnp.stack(tokens, axis=1), n_B)
         x_last_BD, x_prev = x[:, -1], x
       logits_BV = mtp.logits(target, k, mtp.final(target, k, x_last_BD[:, None]))[:, 0]
-      token_B, q_BV = self._pick(mtp, logits_BV, ctx, jax.random.fold_in(key, k))
+      token_B, q_BV = pick_draft(mtp, logits_BV, ctx, jax.random.fold_in(key, k),
+                                 self.sample_proposals)
       logits.append(logits_BV)
       tokens.append(token_B)
       qs.append(q_BV)
