@@ -36,8 +36,9 @@ from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.drafter_dir import (ZLAB_ARCHITECTURES, ConfigKeys, FormatError,
-                                              fill_params, layer_rope_theta, read_draft_vocab,
-                                              read_drafter, read_json, verifier_depth)
+                                              config_keys, fill_params, layer_rope_theta,
+                                              read_draft_vocab, read_drafter,
+                                              speculators_keys, verifier_depth)
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
 
 SPECULATORS_TYPES = ('dflash', 'dflash2')
@@ -106,7 +107,7 @@ def read_dspec(path, *, num_target_layers: Optional[int] = None, dtype: str = 'f
   return dspec_checkpoint.load(path, DFlashModel, DFlashConfig, **overrides)
 
 
-def layer_shapes(keys: ConfigKeys, num_target_layers: int, dtype: str) -> tuple:
+def _layer_shapes(keys: ConfigKeys, num_target_layers: int, dtype: str) -> tuple:
   """(TransformerConfig of the draft layers with the target's depth, n layers, attention
   fields) from a Qwen3 config dict."""
   rope_theta = layer_rope_theta(keys, ('qwen3',))
@@ -145,19 +146,6 @@ def layer_shapes(keys: ConfigKeys, num_target_layers: int, dtype: str) -> tuple:
   return shapes, n, attention
 
 
-def _build(kind: str, path: str, cfg_fields: dict, shapes: TransformerConfig, tensors,
-           overrides: dict) -> DFlashModel:
-  drafter_class, config_class = _CLASSES[kind]
-  config_file = os.path.join(path, 'config.json')
-  try:
-    cfg = config_class(**cfg_fields, **overrides)
-    drafter = nnx.eval_shape(lambda: drafter_class(cfg, shapes, rngs=nnx.Rngs(0)))
-  except (TypeError, ValueError) as e:
-    raise FormatError(f'{config_file}: {e}') from None
-  fill_drafter(drafter, path, tensors)
-  return drafter
-
-
 def torch_name(dspec_name: str, codebook_suffix: bool) -> tuple:
   """(safetensors name, transposed) of a dotted dspec drafter param path."""
   parts = dspec_name.split('.')
@@ -171,23 +159,30 @@ def torch_name(dspec_name: str, codebook_suffix: bool) -> tuple:
   return name, False
 
 
-def fill_drafter(drafter: DFlashModel, path: str, tensors: dict) -> None:
-  """Reads every param of the (abstract) drafter from `tensors` {name: file}."""
+def build_drafter(drafter_class, config_class, path: str, cfg_fields: dict,
+                  shapes: TransformerConfig, tensors: dict, overrides: dict):
+  """The (abstract) drafter of `cfg_fields` + `overrides` with every param read from
+  `tensors` {name: file}; a field the config class refuses is a FormatError."""
+  try:
+    cfg = config_class(**cfg_fields, **overrides)
+    drafter = nnx.eval_shape(lambda: drafter_class(cfg, shapes, rngs=nnx.Rngs(0)))
+  except (TypeError, ValueError) as e:
+    raise FormatError(f'{os.path.join(path, "config.json")}: {e}') from None
 
   def locate(dspec_name):
     candidates = [torch_name(dspec_name, True), torch_name(dspec_name, False)]
     return next((c for c in candidates if c[0] in tensors), candidates[0])
 
   fill_params(drafter, path, {name: (file, name) for name, file in tensors.items()}, locate)
+  return drafter
 
 
 def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
               **overrides) -> DFlashModel:
   """A drafter from a z-lab directory (config.json + model.safetensors)."""
   path = os.fspath(path)
-  file = os.path.join(path, 'config.json')
-  config = read_json(file)
-  top = ConfigKeys(config, file)
+  top = config_keys(path)
+  config, file = top.config, top.file
   archs = top.get('architectures', list, required=True)
   kinds = [ZLAB_ARCHITECTURES[a] for a in archs if a in ZLAB_ARCHITECTURES]
   if not kinds:
@@ -210,7 +205,7 @@ def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'fl
   if num_target_layers is not None and num_target_layers != depth:
     raise top.error('num_target_layers', f'is {depth} but the target has '
                     f'{num_target_layers} layers')
-  shapes, n, attention = layer_shapes(top, depth, dtype)
+  shapes, n, attention = _layer_shapes(top, depth, dtype)
   if 'target_layer_ids' in draft and draft['target_layer_ids'] is not None:
     taps = inner.int_list('target_layer_ids')
   else:
@@ -225,53 +220,57 @@ def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'fl
       final_tap_normed=True, **attention)
   if kind == 'dflash2':
     fields.update({k: value(k, int, required=True) for k in _DFLASH2_KEYS})
-  return _build(kind, path, fields, shapes, tensor_files(path), overrides)
+  return build_drafter(*_CLASSES[kind], path, fields, shapes, tensor_files(path), overrides)
+
+
+def read_speculators_config(path: str, kinds: tuple, num_target_layers: Optional[int],
+                            dtype: str) -> tuple:
+  """What every DFlash-family speculators config holds: (its ConfigKeys, its kind, the
+  draft layers' TransformerConfig, the config fields of the layers, block, taps, mask
+  token and attention)."""
+  spec, kind = speculators_keys(path, kinds)
+  depth = num_target_layers or verifier_depth(spec)
+  if depth is None:
+    raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
+                     'directory: pass num_target_layers (the target depth)')
+  layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
+                     'transformer_layer_config.')
+  shapes, n, attention = _layer_shapes(layer, depth, dtype)
+  target_hidden = spec.get('target_hidden_size', int)
+  if target_hidden not in (None, shapes.embed_dim):
+    raise spec.error('target_hidden_size', f'{target_hidden} differs from the draft width '
+                     f'{shapes.embed_dim}')
+  aux = spec.int_list('aux_hidden_state_layer_ids', required=True)
+  if not aux or min(aux) < 1:
+    raise spec.error('aux_hidden_state_layer_ids', f'must be hidden-state indices >= 1, '
+                     f'got {aux}')
+  fields = dict(num_layers=n, block_size=spec.get('block_size', int, 8),
+                target_layer_ids=tuple(a - 1 for a in aux),
+                mask_token_id=spec.get('mask_token_id', int, required=True),
+                final_tap_normed=True, **attention)
+  return spec, kind, shapes, fields
 
 
 def read_speculators(path, *, num_target_layers: Optional[int] = None,
                      dtype: str = 'float32', **overrides) -> DFlashModel:
   """A drafter from a speculators directory (speculators_model_type dflash | dflash2)."""
   path = os.fspath(path)
-  file = os.path.join(path, 'config.json')
-  spec = ConfigKeys(read_json(file), file)
-  kind = spec.config.get('speculators_model_type')
-  if kind not in SPECULATORS_TYPES:
-    raise spec.error('speculators_model_type', f'must be one of {SPECULATORS_TYPES}, got '
-                     f'{kind!r}')
+  spec, kind, shapes, fields = read_speculators_config(path, SPECULATORS_TYPES,
+                                                       num_target_layers, dtype)
   if spec.get('sample_from_anchor', bool, False):
     raise spec.error('sample_from_anchor', 'is true (anchor-predicting blocks are not '
                      'DFlash)')
-  depth = num_target_layers or verifier_depth(spec)
-  if depth is None:
-    raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
-                     'directory: pass num_target_layers (the target depth)')
-  layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), file,
-                     'transformer_layer_config.')
-  shapes, n, attention = layer_shapes(layer, depth, dtype)
-  target_hidden = spec.get('target_hidden_size', int)
-  if target_hidden not in (None, shapes.embed_dim):
-    raise spec.error('target_hidden_size', f'{target_hidden} differs from the draft width '
-                     f'{shapes.embed_dim}')
   if spec.get('sliding_window_non_causal', bool, kind == 'dflash2'):
-    attention['is_causal'] = False
-  aux = spec.int_list('aux_hidden_state_layer_ids', required=True)
-  if not aux or min(aux) < 1:
-    raise spec.error('aux_hidden_state_layer_ids', f'must be hidden-state indices >= 1, '
-                     f'got {aux}')
+    fields['is_causal'] = False
   tensors = tensor_files(path)
   vocab_size = spec.get('draft_vocab_size', int, shapes.vocab_size)
-  draft_vocab = ()
   if vocab_size != shapes.vocab_size:
-    draft_vocab = read_draft_vocab(path, tensors, shapes.vocab_size, vocab_size)
-  tensors = {k: v for k, v in tensors.items() if k not in SPECULATORS_IGNORED}
-  fields = dict(num_layers=n, block_size=spec.get('block_size', int, 8),
-                target_layer_ids=tuple(a - 1 for a in aux),
-                mask_token_id=spec.get('mask_token_id', int, required=True),
-                draft_vocab=draft_vocab, final_tap_normed=True, **attention)
+    fields['draft_vocab'] = read_draft_vocab(path, tensors, shapes.vocab_size, vocab_size)
   if kind == 'dflash2':
     defaults = dict(zip(_DFLASH2_KEYS, (2, 16, 256, 16)))
     fields.update({k: spec.get(k, int, defaults[k]) for k in _DFLASH2_KEYS})
-  return _build(kind, path, fields, shapes, tensors, overrides)
+  tensors = {k: v for k, v in tensors.items() if k not in SPECULATORS_IGNORED}
+  return build_drafter(*_CLASSES[kind], path, fields, shapes, tensors, overrides)
 
 
 READERS = {'dspec': read_dspec, 'zlab': read_zlab, 'speculators': read_speculators}

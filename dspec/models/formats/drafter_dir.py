@@ -119,6 +119,23 @@ class ConfigKeys:
     return value
 
 
+def config_keys(path: str) -> ConfigKeys:
+  """Typed reads from the config.json of the drafter directory `path`."""
+  file = os.path.join(path, 'config.json')
+  return ConfigKeys(read_json(file), file)
+
+
+def speculators_keys(path: str, kinds: tuple) -> tuple:
+  """(`config_keys(path)`, its speculators_model_type), a FormatError unless that is one
+  of `kinds`."""
+  spec = config_keys(path)
+  kind = spec.config.get('speculators_model_type')
+  if kind not in kinds:
+    raise spec.error('speculators_model_type', f'must be {" or ".join(map(repr, kinds))}, '
+                     f'got {kind!r}')
+  return spec, kind
+
+
 def layer_rope_theta(keys: ConfigKeys, model_types: tuple) -> float:
   """Checks a draft-layer config dict (model_type in `model_types`, unbiased SiLU layers,
   default RoPE) and returns its rope theta; FormatError naming the key otherwise."""

@@ -14,15 +14,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from flax import nnx
-
 from dspec.checkpoint import CheckpointError
 from dspec.models.dspark import DSparkConfig, DSparkModel
 from dspec.models.formats import dspec_checkpoint
-from dspec.models.formats.dflash import (SPECULATORS_IGNORED, check_exportable, fill_drafter,
-                                         layer_shapes, qwen3_layer_config, torch_name)
-from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, read_drafter,
-                                              read_json, verifier_depth)
+from dspec.models.formats.dflash import (SPECULATORS_IGNORED, build_drafter,
+                                         check_exportable, qwen3_layer_config,
+                                         read_speculators_config, torch_name)
+from dspec.models.formats.drafter_dir import FormatError, read_drafter
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
 
 _HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
@@ -51,33 +49,14 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
                      dtype: str = 'float32', **overrides) -> DSparkModel:
   """A DSpark drafter from a speculators directory (speculators_model_type dspark)."""
   path = os.fspath(path)
-  file = os.path.join(path, 'config.json')
-  spec = ConfigKeys(read_json(file), file)
-  kind = spec.config.get('speculators_model_type')
-  if kind != 'dspark':
-    raise spec.error('speculators_model_type', f'must be "dspark", got {kind!r}')
-  depth = num_target_layers or verifier_depth(spec)
-  if depth is None:
-    raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
-                     'directory: pass num_target_layers (the target depth)')
-  layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), file,
-                     'transformer_layer_config.')
-  shapes, n, attention = layer_shapes(layer, depth, dtype)
-  if spec.get('target_hidden_size', int) not in (None, shapes.embed_dim):
-    raise spec.error('target_hidden_size', f'differs from the draft width {shapes.embed_dim}')
+  spec, _, shapes, fields = read_speculators_config(path, ('dspark',), num_target_layers,
+                                                    dtype)
   if spec.get('draft_vocab_size', int, shapes.vocab_size) != shapes.vocab_size:
     raise spec.error('draft_vocab_size', 'is a reduced vocabulary: dspec\'s DSpark needs '
                      'the full one')
   if spec.get('sliding_window_non_causal', bool, False):
-    attention['is_causal'] = False
-  aux = spec.int_list('aux_hidden_state_layer_ids', required=True)
-  if not aux or min(aux) < 1:
-    raise spec.error('aux_hidden_state_layer_ids', f'must be hidden-state indices >= 1, '
-                     f'got {aux}')
-  fields = dict(
-      num_layers=n, block_size=spec.get('block_size', int, 8),
-      target_layer_ids=tuple(a - 1 for a in aux),
-      mask_token_id=spec.get('mask_token_id', int, required=True), final_tap_normed=True,
+    fields['is_causal'] = False
+  fields.update(
       markov_rank=spec.get('markov_rank', int, 256),
       markov_head_type=spec.config.get('markov_head_type', 'vanilla'),
       enable_confidence_head=spec.get('enable_confidence_head', bool, True),
@@ -85,8 +64,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
       sample_from_anchor=spec.get('sample_from_anchor', bool, True),
       confidence_temperatures=tuple(spec.get('dspec_confidence_temperatures', list, [])),
       greedy_confidence_temperatures=tuple(
-          spec.get('dspec_greedy_confidence_temperatures', list, [])),
-      **attention)
+          spec.get('dspec_greedy_confidence_temperatures', list, [])))
   tensors = {k: v for k, v in tensor_files(path).items() if k not in SPECULATORS_IGNORED}
   wanted = {'markov_head': fields['markov_rank'] > 0,
             'confidence_head': fields['enable_confidence_head']}
@@ -98,13 +76,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
     if has and not on:
       raise FormatError(f'{path}: {head} tensors are present but config.json '
                         f'{_HEAD_KEYS[head]} turns that head off')
-  try:
-    cfg = DSparkConfig(**fields, **overrides)
-    drafter = nnx.eval_shape(lambda: DSparkModel(cfg, shapes, rngs=nnx.Rngs(0)))
-  except (TypeError, ValueError) as e:
-    raise FormatError(f'{file}: {e}') from None
-  fill_drafter(drafter, path, tensors)
-  return drafter
+  return build_drafter(DSparkModel, DSparkConfig, path, fields, shapes, tensors, overrides)
 
 
 READERS = {'dspec': read_dspec, 'speculators': read_speculators}

@@ -28,9 +28,10 @@ from flax import nnx
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, default_target_layer_ids
 from dspec.models.formats import dspec_checkpoint
-from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, fill_params,
-                                              layer_rope_theta, read_draft_vocab,
-                                              read_drafter, read_json, verifier_depth)
+from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
+                                              fill_params, layer_rope_theta,
+                                              read_draft_vocab, read_drafter,
+                                              speculators_keys, verifier_depth)
 from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
                                                  tensor_files, write_model_dir)
 
@@ -114,11 +115,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
   """An EAGLE-3 drafter from a speculators directory (`taps` is not read: the config
   names them)."""
   del taps
-  file = os.path.join(path, 'config.json')
-  spec = ConfigKeys(read_json(file), file)
-  kind = spec.config.get('speculators_model_type')
-  if kind != 'eagle3':
-    raise spec.error('speculators_model_type', f'must be "eagle3", got {kind!r}')
+  spec, _ = speculators_keys(path, ('eagle3',))
   layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
                      'transformer_layer_config.')
   depth = target_cfg.num_layers if target_cfg is not None else verifier_depth(spec)
@@ -151,8 +148,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
 def read_legacy(path, *, target_cfg: Optional[TransformerConfig] = None,
                 taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
   """An EAGLE-3 drafter from a legacy SafeAILab / SpecForge directory (`midlayer.*`)."""
-  file = os.path.join(path, 'config.json')
-  keys = ConfigKeys(read_json(file), file)
+  keys = config_keys(path)
   tensors = tensor_files(path)
   if not any(name.startswith('midlayer.') for name in tensors):
     raise FormatError(f'{path}: neither a speculators config (speculators_model_type) nor '

@@ -41,8 +41,8 @@ from flax import nnx
 
 from dspec.models.config import TransformerConfig
 from dspec.models.formats import dspec_checkpoint
-from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, fill_params,
-                                              read_drafter, read_json)
+from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
+                                              fill_params, read_drafter, speculators_keys)
 from dspec.models.formats.hf_config import config_from_hf
 from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
                                                  tensor_files, write_model_dir)
@@ -127,11 +127,7 @@ def read_dspec(path, *, target_cfg: Optional[TransformerConfig] = None,
 def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
                      dtype: str = 'float32') -> MTP:
   """An MTP from a speculators `mtp` directory."""
-  file = os.path.join(path, 'config.json')
-  spec = ConfigKeys(read_json(file), file)
-  kind = spec.config.get('speculators_model_type')
-  if kind != 'mtp':
-    raise spec.error('speculators_model_type', f'must be "mtp", got {kind!r}')
+  spec, _ = speculators_keys(path, ('mtp',))
   layers = spec.get('num_nextn_predict_layers', int, 1)
   if layers != 1:
     raise spec.error('num_nextn_predict_layers', f'must be 1 (speculators\' MTP has one '
@@ -173,8 +169,7 @@ def _own(tensors: dict, names: list, main: Optional[str]) -> bool:
 def read_deepseek(path, *, target_cfg: Optional[TransformerConfig] = None,
                   dtype: str = 'float32') -> MTP:
   """An MTP from the DeepSeek-V3-layout MTP layers of a HF checkpoint."""
-  file = os.path.join(path, 'config.json')
-  keys = ConfigKeys(read_json(file), file)
+  keys = config_keys(path)
   depth = keys.get('num_hidden_layers', int, required=True)
   n = keys.get('num_nextn_predict_layers', int, required=True)
   if not 1 <= n <= 4:
