@@ -7,7 +7,12 @@ import sys
 
 from absl import app, flags
 
+from dspec import compiled_programs
 from dspec.errors import UserError
+
+flags.DEFINE_string(
+    'compilation_cache_dir', compiled_programs.DEFAULT_CACHE_DIR,
+    'Persistent cache of compiled XLA programs, so a rerun does not recompile; "" turns it off.')
 
 _USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
 _OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')
@@ -65,6 +70,8 @@ def run(main):
 
   def wrapped(argv):
     try:
+      if flags.FLAGS.compilation_cache_dir:
+        compiled_programs.enable_persistent_cache(flags.FLAGS.compilation_cache_dir)
       return main(argv)
     except _user_error_types() as e:
       _exit_with(_first_line(e))

@@ -15,3 +15,47 @@ def test_release_only_past_the_limit():
   assert f._cache_size() == 1
   assert compiled_programs.release_if_many_maps(limit=0)
   assert f._cache_size() == 0
+
+
+def test_a_rerun_loads_every_program_from_the_persistent_cache(tmp_path):
+  """The second run of a job compiles nothing new: every program comes from the cache."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from conftest import REPO_ROOT
+
+  cache = tmp_path / 'xla'
+
+  def decode(i):
+    metrics = tmp_path / f'm{i}.json'
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'decode.py'),
+         '--config=configs/tiny.py', '--prompt_ids=1,2,3,1,2,3,1,2', '--config.drafter=ngram',
+         '--config.max_new_tokens=8', '--config.verify_length=fixed',
+         '--config.timing_repeats=1', f'--compilation_cache_dir={cache}',
+         f'--metrics_json={metrics}'],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(metrics.read_text()), sorted(p.name for p in cache.iterdir())
+
+  first, cached = decode(0)
+  assert len(cached) >= 3                    # prefill, the speculative step, AR
+  second, cached_again = decode(1)
+  assert cached_again == cached              # nothing compiled anew
+  assert second['output_ids'] == first['output_ids']
+
+
+def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
+  import subprocess
+  import sys
+
+  code = ('import sys; from absl import flags; from dspec import cli\n'
+          'import jax\n'
+          'def main(argv): print(jax.config.jax_compilation_cache_dir)\n'
+          'cli.run(main)\n')
+  proc = subprocess.run([sys.executable, '-c', code, '--compilation_cache_dir='],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == 'None'
