@@ -10,6 +10,7 @@ import json
 import math
 import os
 import stat
+import signal
 import subprocess
 import sys
 import textwrap
@@ -366,6 +367,29 @@ def test_distillation_refuses_a_resume_with_another_target(tmp_path):
     distill.distill(cfg, out)
   with open(os.path.join(out, 'manifest.json')) as f:
     assert json.load(f)['shards'] == manifest['shards']
+
+
+def test_sigterm_stops_training_at_a_step_checkpointed_and_exported(tmp_path, capsys):
+  """A preempted or killed run (SIGTERM) ends its step, saves it and exports it, then a
+  rerun resumes from that step."""
+  workdir = str(tmp_path / 'run')
+  exports = []
+  task = _toy_task(exports=exports)
+  get_batch = task.get_batch
+
+  def get_batch_then_terminate(step):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return get_batch(step)
+
+  task.get_batch = get_batch_then_terminate
+  result = trainer.train(task, _toy_cfg(8, ckpt_every=100), workdir)
+  assert 'stopping at step 3: SIGTERM received' in capsys.readouterr().out
+  assert result['steps'] == 3 and _steps(workdir) == [3]
+  assert exports == [3, 3]                                  # export/ and final/
+  assert checkpoint.read_train_step(os.path.join(workdir, 'export')) == 3
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the handler is put back
+  assert trainer.train(_toy_task(), _toy_cfg(8, ckpt_every=100), workdir)['steps'] == 5
 
 
 def test_resume_trims_the_train_log_to_the_restored_step(tmp_path):

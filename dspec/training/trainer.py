@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -47,6 +49,28 @@ class TrainTask:
   get_batch: Callable[[int], dict]
   evaluate: Optional[Callable] = None
   export: Optional[Callable] = None
+
+
+class _StopRequest:
+  """Turns SIGTERM (a preemption, `kill`, a session ending) into a stop at the end of the
+  current step: the loop then checkpoints and exports as at `max_minutes`."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._request)
+    return self
+
+  def _request(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, abstract):
@@ -118,15 +142,16 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   rewrites `final/`: at `num_steps` it returns at once (or writes a missing `final/`), past
   it it is refused.
 
+  SIGTERM stops the run at the end of the current step, checkpointed and exported (no eval).
   One trainer per workdir (a lock refuses a second one). A NaN/Inf loss or gradient stops
   the run with TrainingDiverged naming the step; that state is neither logged nor saved.
   """
   config_checks.check_training_config(cfg)
-  with files.directory_lock(workdir, 'trainer'):
-    return _train(task, cfg, workdir)
+  with files.directory_lock(workdir, 'trainer'), _StopRequest() as stop:
+    return _train(task, cfg, workdir, stop)
 
 
-def _train(task: TrainTask, cfg, workdir: str) -> dict:
+def _train(task: TrainTask, cfg, workdir: str, stop: _StopRequest) -> dict:
   optimizer = optimizer_lib.make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
   print(f'trainable parameters: {sum(x.size for x in jax.tree.leaves(params)):,}', flush=True)
@@ -142,13 +167,13 @@ def _train(task: TrainTask, cfg, workdir: str) -> dict:
                                       max_to_keep=2)
   try:
     return _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, frozen,
-                       opt_state, placement)
+                       opt_state, placement, stop)
   finally:
     ckpt.close()
 
 
 def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, frozen,
-                opt_state, placement) -> dict:
+                opt_state, placement, stop) -> dict:
   start_step = 0
   latest, restored = _restore_newest_intact(ckpt, {'params': params, 'opt_state': opt_state})
   if latest is not None:
@@ -218,10 +243,11 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
         params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
     bar.update()
     out_of_time = cfg.max_minutes and (time.time() - t_start) > 60 * cfg.max_minutes
-    export_now = (task.export is not None and cfg.get('export_every')
-                  and done % cfg.export_every == 0)
-    log_now = done % cfg.log_every == 0 or done == cfg.num_steps or out_of_time
-    ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or out_of_time
+    stopping = out_of_time or stop.signal_name is not None
+    export_now = task.export is not None and (
+        stop.signal_name is not None or (cfg.get('export_every') and done % cfg.export_every == 0))
+    log_now = done % cfg.log_every == 0 or done == cfg.num_steps or stopping
+    ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or stopping
     if log_now or ckpt_now or export_now:
       check_finite(first_bad)
     if log_now:
@@ -241,6 +267,9 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
       ckpt.wait()   # the next step donates these buffers: the save must have read them
     if export_now:
       task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
+    if stop.signal_name is not None:
+      print(f'stopping at step {done}: {stop.signal_name} received', flush=True)
+      break
     if out_of_time:
       logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
       break
