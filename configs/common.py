@@ -67,7 +67,7 @@ def drafter_configs() -> ml_collections.ConfigDict:
 
 
 def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
-  """The fields every decode config has (DESIGN §8)."""
+  """The fields every decode config has (docs/DESIGN.md, "Command-line contract")."""
   cfg = ml_collections.ConfigDict()
   cfg.model = model_config(preset)
   cfg.max_new_tokens = 64

@@ -1,6 +1,6 @@
 """The `bench` section shared by benchmark configs (`scripts/benchmark.py`).
 
-A benchmark config is a decode config (DESIGN §8 fields, drafter sub-configs) plus `bench`:
+A benchmark config is a decode config (docs/DESIGN.md fields, drafter sub-configs) plus `bench`:
 what to sweep and whether to time the `transformers` peer. The top-level decode fields
 (`max_new_tokens`, `top_p`, `seed`, `timing_repeats`, `data_dir`, `drafters.*`) apply to
 every run of the sweep; `temperature`, `batch_size`, `drafter` and each method's size knob

@@ -51,7 +51,7 @@ def check_sampling(cfg, prefix: str = '') -> None:
 
 
 def check_decode_config(cfg) -> None:
-  """The top-level decode fields of DESIGN §8 (sampling knobs, lengths, batch, prompt)."""
+  """The top-level decode fields of the CLI contract (docs/DESIGN.md): sampling, lengths, batch."""
   check_sampling(cfg)
   check_int(cfg.max_new_tokens, 'max_new_tokens', 1)
   check_int(cfg.batch_size, 'batch_size', 1)

@@ -1,5 +1,6 @@
-"""Speculative-decoding metrics (DESIGN §9) from the engine's per-row counters, and the
-n-gram diversity of generated text (how loop-prone a target's greedy outputs are)."""
+"""Speculative-decoding metrics (docs/DESIGN.md, "Metrics") from the engine's per-row
+counters, and the n-gram diversity of generated text (how loop-prone a target's greedy
+outputs are)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def maybe_initialize_distributed(enabled: bool) -> None:
   """`jax.distributed.initialize()` (multi-host) when enabled; call before any jax use.
 
   Arguments come from the environment: auto-detected on TPU pods and SLURM/Open MPI,
-  else JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (docs/SCALE.md).
+  else JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (docs/DESIGN.md, "Scale").
   """
   if enabled:
     jax.distributed.initialize()

@@ -7,7 +7,7 @@
       --resume   # an interrupted run: keeps the finished sweep points (same config only)
 
 Writes DIR/results.json (one row per dataset × method × temperature × batch × size, plus the
-transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (DESIGN §8); results.json
+transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (docs/DESIGN.md); results.json
 appears only when the run finished; until then DIR/results.partial.json holds every finished
 (dataset, temperature, batch size) sweep point, which --resume does not run again (each
 point's speedups compare with the AR run of the same point and process). Library code:

@@ -2,7 +2,7 @@
 
 Prints the prompt, the generated continuation and one metrics line (status lines for each
 phase go to stderr; `--quiet` drops them, `--verbosity=1` shows library logs).
-`--metrics_json=PATH` writes every DESIGN §8 key (method, temperature, new_tokens, tau,
+`--metrics_json=PATH` writes every docs/DESIGN.md key (method, temperature, new_tokens, tau,
 acceptance_rate, per_position_acceptance, acceptance_lengths, tokens_per_s,
 ar_tokens_per_s, speedup, lossless, output_ids, ...); `--trace_json=PATH` writes row 0's
 per-step trace (proposed tokens, accepted count, committed tokens). Bad input ends with one

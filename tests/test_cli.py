@@ -1,4 +1,4 @@
-"""`scripts/decode.py`: the DESIGN §8 contract, including one-line errors for bad input."""
+"""`scripts/decode.py`: the docs/DESIGN.md CLI contract, including one-line errors for bad input."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The benchmark behind `scripts/benchmark.py` (DESIGN §8, §9): datasets × methods × sweep.
+"""The benchmark behind `scripts/benchmark.py` (docs/DESIGN.md): datasets × methods × sweep.
 
 For every temperature × dataset × batch size, AR (the engine with no drafter) and every
 method × size × verify length run over the dataset's prompts, in the same process. Each

@@ -9,8 +9,8 @@ per speculative iteration satisfies
     E[X] <= (μ + μ₂) · log P / μ² + O(1),
 
 μ the expected entropy of the verifier's output distribution and μ₂ its "expected second
-log-moment" (arXiv; EACL: "this entropy's second moment"); `reference/serving_anchors.md`
-§5. The often-quoted log P / μ is only the first term of this bound, not a bound. We take
+log-moment" (arXiv 2512.11718; EACL: "this entropy's second moment"). The often-quoted
+log P / μ is only the first term of this bound, not a bound. We take
 μ = mean of H_t = -Σ p log p (nats) and μ₂ = mean of M_t = Σ p (log p)² over the generated
 positions of the target's own AR outputs at the run's temperature, with p the distribution
 the verifier samples from (temperature, top-k, top-p applied); M_t >= H_t² (Jensen), so

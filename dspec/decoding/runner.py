@@ -2,8 +2,8 @@
 
 `decode` is what `dspec.generate` and the decode job (`run_decode`, behind
 `scripts/decode.py`) share: prompts in; texts, ids, metrics and an optional trace out.
-Timing follows DESIGN §9: a warm-up run compiles, `timing_repeats` timed runs follow and
-their medians count; AR runs in the same process on the same prompts.
+Timing follows docs/DESIGN.md ("Metrics"): a warm-up run compiles, `timing_repeats` timed
+runs follow and their medians count; AR runs in the same process on the same prompts.
 """
 
 from __future__ import annotations

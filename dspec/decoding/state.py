@@ -42,7 +42,7 @@ class Proposal(NamedTuple):
 
 @struct.dataclass
 class DecodeStats:
-  """Per-row counters from which every DESIGN §9 metric is derived.
+  """Per-row counters from which every metric (docs/DESIGN.md, "Metrics") is derived.
 
   Verify steps count only while a row is live. `committed_B` counts the tokens verify
   steps committed (after the cut at a stop token or the budget; the token the prefill

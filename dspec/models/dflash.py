@@ -1,4 +1,4 @@
-"""DFlash drafter: a block-diffusion (BD3-LM) drafter with KV injection (`reference/dflash.md` §1).
+"""DFlash drafter: a block-diffusion (BD3-LM) drafter with KV injection (z-lab/dflash).
 
 n decoder layers at the target's width with no embedding or head of their own (the target's,
 frozen, are passed in at call time). Residual-stream outputs of some target layers ("taps")
@@ -17,12 +17,13 @@ kernel ('xla' dense reference or 'pallas'); every mask comes from
              is the injected target context (the target's features replace BD3-LM's
              clean copy, so x_0 is never queried)
 
-z-lab's drafters (`/work/notes/dflash_reference.md`) are represented exactly by the config
-fields `layer_types` / `is_causal` / `sliding_window` (per-layer causal and per-query
-windowed masks, `dspec.models.dflash_masks`), `input_embedding_scale`,
-`output_multiplier`, `final_logit_softcapping` and `final_tap_normed`; the defaults are
-dspec's own drafters. `dspec.models.formats.dflash.load_dflash` reads a dspec checkpoint
-or a z-lab / speculators directory.
+z-lab's drafters (z-lab/dflash `dflash/model.py`; docs/DESIGN.md, "Checkpoint formats") are
+represented exactly by the config fields `layer_types` / `is_causal` / `sliding_window`
+(per-layer causal and per-query windowed masks, `dspec.models.dflash_masks`),
+`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping` and
+`final_tap_normed`; the defaults are dspec's own drafters.
+`dspec.models.formats.dflash.load_dflash` reads a dspec checkpoint or a z-lab / speculators
+directory.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """DFlash-2: the DFlash backbone with grouped dynamic causal convolutions and a candidate
-selector (`reference/dflash.md` §7, `/work/notes/dflash_reference.md` §2, §4).
+selector (z-lab/dflash `dflash/model.py`: `GroupedDynamicCausalConv`, `CandidateSelector`;
+docs/DESIGN.md, "Drafters").
 
 Convolutions. Every draft layer wraps its attention and its MLP sublayer in one
 `GroupedDynamicCausalConv`: "prepare" convolves the sublayer input, "finish" the sublayer

@@ -1,6 +1,6 @@
 """Per-layer DFlash attention masks with z-lab's causal / sliding-window semantics.
 
-z-lab's drafter (`/work/notes/dflash_reference.md` §4) gives every draft layer a mask
+z-lab's drafter (z-lab/dflash `dflash/model.py`) gives every draft layer a mask
 over keys indexed by absolute position, the query of block slot i sitting at
 `anchor + i`:
 

@@ -1,5 +1,5 @@
 """DSpark: the DFlash backbone with a semi-autoregressive Markov head and a confidence head
-(`reference/dflash.md` §7; speculators' `models/dspark`, SpecForge's `draft/dspark.py`).
+(deepseek-ai/DeepSpec; speculators' `models/dspark`, SpecForge's `draft/dspark.py`).
 
 Block. Anchor-first and all-predicting (speculators' `sample_from_anchor=True`): the block
 [anchor, MASK×(B−1)] sits at positions a..a+B−1 and slot k predicts the token at a+k+1, so

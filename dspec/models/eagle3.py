@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter (arXiv 2503.01840; `reference/mtp_eagle_bd3lm.md` §4): fused target
+"""EAGLE-3 drafter (arXiv 2503.01840; SafeAILab/EAGLE `cnets.py`): fused target
 taps, one (or a few) decoder layers over [embedding ; hidden], its own norm and head.
 
 Entry p of the draft sequence reads the token t_{p+1} and a hidden g:

@@ -43,7 +43,7 @@ _CHOICES = {
 
 @dataclasses.dataclass(frozen=True)
 class MTPConfig(DictConfig):
-  """Static MTP architecture (hashable). See `reference/mtp_eagle_bd3lm.md` §1.3/§1.6.
+  """Static MTP architecture (hashable). See docs/DESIGN.md, "Drafters".
 
   num_depths: D trained depths (1-4). h0_source: the target hidden fed to depth 1
   (post-final-norm, or the last layer's residual output). shared_depth: one depth module

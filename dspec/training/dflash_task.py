@@ -1,7 +1,7 @@
 """DFlash, DFlash-2 and BD3-LM drafter objectives on self-distilled data
 (training.task = dflash | dflash2 | bd3lm).
 
-DFlash (`reference/dflash.md` §3–4): N random anchors per sequence among positions a with
+DFlash (SpecForge `core/dflash.py`): N random anchors per sequence among positions a with
 tokens a and a+1 both target-written (`anchor_supervised`, the reference rule) or only
 a+1 (then the last prompt token, the anchor of the first round at inference, is trained
 too); block [token_a, MASK×(B−1)] at positions a..a+B−1;
@@ -10,13 +10,13 @@ block queries see fused target features strictly before a and their own block, n
 other blocks; CE weighted by exp(−(k−1)/γ) × (in bounds) × loss_mask, normalised by the
 sum of those weights.
 
-DFlash-2 (`reference/dflash.md` §7; speculators PR #1006): the DFlash loss on the
+DFlash-2 (z-lab/dflash; speculators PR #1006): the DFlash loss on the
 unary logits plus α × a K-way CE of the candidate selector: the candidates of slot k are
 the unary top-K (indices without gradient, their logits with it), the gold token replaces
 the K-th candidate when it is missing, the predecessor is teacher-forced (the token at
 a+k−1, the anchor for k = 1), and the CE gets the same per-slot weights.
 
-BD3-LM (`reference/mtp_eagle_bd3lm.md` §5) with KV injection kept: fixed blocks of B; one
+BD3-LM (arXiv 2503.09573) with KV injection kept: fixed blocks of B; one
 noise level t per block (antithetic, rescaled into [eps_min, eps_max]); each token masked
 with probability t; the packed [x_t ; x_0] sequence where the clean half x_0 is the
 injected target context (`BD3LMContextMask`: own noisy block ∪ context of earlier blocks);

@@ -12,7 +12,7 @@ Per slot, with p = the draft's (Markov-biased) distribution and p* = the target'
 
 TV = ½‖p − p*‖₁ and α_k is the acceptance probability of slot k under rejection sampling.
 Weights exp(−k/γ) × valid (label in bounds, target-written, block valid), normalised by
-their sum; defaults 0.1 / 0.9 / 1.0 (`reference/dflash.md` §7).
+their sum; defaults 0.1 / 0.9 / 1.0 (SpecForge `draft/dspark.py`).
 
 The target's distributions are computed in the training step, not stored in the shards:
 the step already runs the frozen target over the sequence for its tapped features, so p*

@@ -1,6 +1,6 @@
 """EAGLE-3 objective on self-distilled data (training.task = eagle3).
 
-Training-time test (`Eagle3Model.ttt_logits`, `reference/mtp_eagle_bd3lm.md` §4.2): k steps
+Training-time test (`Eagle3Model.ttt_logits`, EAGLE-3 arXiv 2503.01840): k steps
 over every position; step s at index t reads x_{t+1+s} and its own step s-1 output (step 0:
 the fused frozen target taps at t) and predicts x_{t+2+s}. Loss = Σ_s decay^s · CE_s, CE_s
 the mean over indices whose label is target-written (loss_mask), in the data and in the

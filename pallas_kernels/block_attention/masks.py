@@ -139,7 +139,7 @@ class CausalMask(AttentionMask):
 
 @dataclasses.dataclass(frozen=True)
 class DFlashTrainMask(AttentionMask):
-  """DFlash drafter training mask (``reference/dflash.md`` §3).
+  """DFlash drafter training mask (docs/DESIGN.md, "Kernels").
 
   Q = N·B block queries; KV = [S context keys | N·B block keys]. A query in
   block b with anchor a_b sees context kv < a_b (strictly; with a window also
@@ -273,7 +273,7 @@ class DFlashDraftMask(AttentionMask):
 class BD3LMMask(AttentionMask):
   """BD3-LM mask over the packed ``[x_t ; x_0]`` sequence of length 2L.
 
-  ``reference/mtp_eagle_bd3lm.md`` §5.1: block-diagonal (same half, same block)
+  BD3-LM (arXiv 2503.09573), ``block_diff_mask``: block-diagonal (same half, same block)
   ∪ offset block-causal (x_t query sees x_0 blocks strictly before its block)
   ∪ block-causal (x_0 query sees x_0 blocks up to and including its block).
   No offsets.

@@ -1,4 +1,4 @@
-"""DFlash and DFlash-2 drafting (`reference/dflash.md` §2, §5, §7): one pass over the block.
+"""DFlash and DFlash-2 drafting (z-lab/dflash `dflash_generate`): one pass over the block.
 
 State (`DFlashState`): per-layer context K/V of the draft (post k-norm, post RoPE) for
 every committed position before the anchor, plus lengths (a `KVCache`), and the fused target

@@ -1,4 +1,4 @@
-"""DSpark drafting (`reference/dflash.md` §7, `dspec/models/dspark.py`): DFlash's one-pass
+"""DSpark drafting (deepseek-ai/DeepSpec, `dspec/models/dspark.py`): DFlash's one-pass
 block, anchor-first, with the Markov head walked slot by slot, and a confidence-scheduled
 verify length per row.
 

@@ -1,7 +1,7 @@
 """Published DFlash / DFlash-2 drafter formats: z-lab `dflash` and vLLM `speculators`.
 
-Both are a directory with `config.json` and safetensors (`/work/notes/dflash_reference.md`
-§5–6); dspec's own checkpoints are orbax directories (`dspec_checkpoint`). `load_dflash`
+Both are a directory with `config.json` and safetensors (docs/DESIGN.md, "Checkpoint
+formats"); dspec's own checkpoints are orbax directories (`dspec_checkpoint`). `load_dflash`
 reads any of the three.
 
 z-lab form (`architectures` DFlashDraftModel | DFlash2DraftModel): a Qwen3 config of the
