@@ -1,4 +1,4 @@
-"""The main job: the demo target with its best drafter (MTP; RESULTS §16-17) on a HumanEval prompt.
+"""The main job: the demo target with its best drafter (MTP; docs/RESULTS.md) on a HumanEval prompt.
 
 Command:
   python scripts/decode.py --config=configs/demo.py
@@ -7,7 +7,7 @@ Command:
 Expected: prints the completion, then a metrics line with tau, tokens/s for the drafter and AR
 (same process, after warm-up), the speedup, and lossless=True. Figures: docs/RESULTS.md.
 The chain that produced demo/ is in configs/demo_target.py, distill_demo.py and the
-<drafter>_demo.py configs (commands: docs/RESULTS.md §14).
+<drafter>_demo.py configs (commands: docs/RESULTS.md, "Training recipes").
 """
 
 from configs import common

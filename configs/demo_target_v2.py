@@ -1,10 +1,10 @@
 """Demo v2 target (demo/target): the demo family and tokenizer (~15.7M params), trained far
 longer than v1 on more Python (stdlib + permissively licensed package sources) and GSM8K.
 
-How demo/target was made (docs/RESULTS.md §12): warm-started from the v1 target (481 steps),
-then WSD (peak 1.5e-3, 1% warmup) over 2600 steps of batch 16 x 256 with the last 15%
-decaying (from step 2210), across three sessions on the 2-core CPU. Held-out loss at step
-2600: gsm8k 2.71, stdlib 2.89, packages 2.46 nats.
+How demo/target was made (docs/RESULTS.md, "Training recipes"): warm-started from the v1
+target (481 steps), then WSD (peak 1.5e-3, 1% warmup) over 2600 steps of batch 16 x 256 with
+the last 15% decaying (from step 2210), across three sessions on the 2-core CPU. Held-out
+loss at step 2600: gsm8k 2.71, stdlib 2.89, packages 2.46 nats.
 
 The run is resumable across machines:
   * same machine: the newest orbax checkpoint in --workdir restores everything;

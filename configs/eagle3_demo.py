@@ -2,7 +2,7 @@
 
 Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/eagle3_demo.py --workdir=runs/eagle3_demo
-  # the family's (docs/RESULTS.md §14): the shared budget of 1500 steps, and a draft
+  # the family's (docs/RESULTS.md, "Training recipes"): the shared budget of 1500 steps, and a draft
   # vocabulary of 1/4 of the target's as published EAGLE-3 drafters use (32k of 128k)
   python scripts/train.py --config=configs/eagle3_demo.py:steps=1500,vocab=2048 \
       --workdir=runs/eagle3_demo

@@ -6,7 +6,7 @@ Arguments: steps=N per variant (default 80), data=DIR (default runs/distill_demo
 tiny (random tiny target, 2 steps, 2 variants: for tests; pass --config.data.path).
 Expected: <out_dir>/results.md, one row per variant with held-out per-depth top-1
 agreement with the target (agree_d1..3) and tau_est, the greedy τ of a 3-token MTP draft
-estimated on held-out target-written text. Figures: docs/RESULTS.md §MTP ablation.
+estimated on held-out target-written text. Figures: docs/RESULTS.md, "Training recipes".
 """
 
 from configs import common, mtp_demo

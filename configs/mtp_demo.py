@@ -4,7 +4,8 @@ Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_d
   python scripts/train.py --config=configs/mtp_demo.py --workdir=runs/mtp_demo
   python scripts/decode.py --config=configs/mtp_demo.py --config.compare_ar=True
   python scripts/decode.py --config=configs/mtp_demo.py --config.drafters.mtp.num_draft=1
-The family's MTP (docs/RESULTS.md §14: the shared drafter budget, one layer's parameters):
+The family's MTP (docs/RESULTS.md, "Training recipes": the shared drafter budget, one
+layer's parameters):
   python scripts/train.py --config=configs/mtp_demo.py:steps=1500 \
       --config.mtp.shared_depth=True --workdir=runs/mtp_demo
 Joint pretraining (a fresh demo-shaped target + MTP on the target corpora, λ 0.3 -> 0.1):

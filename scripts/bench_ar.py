@@ -1,6 +1,6 @@
 """AR decoding roofline and peer comparison (issue: foundation performance).
 
-  python scripts/bench_ar.py --out=docs/bench_ar.json
+  python scripts/bench_ar.py --out=docs/results/ar_roofline/bench_ar.json
 
 1. Roofline: a ~100M-parameter random target (configs/common.py `roofline100m`), fp32,
    batch 1. The AR step time (decode wall time / new tokens, after warm-up, median of runs)

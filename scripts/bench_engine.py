@@ -1,7 +1,8 @@
 """Engine overhead and training-free drafter speedups (issue: speculative engine performance).
 
-  python scripts/bench_engine.py --preset=roofline100m --out=docs/bench_engine.json
-  python scripts/bench_engine.py --checkpoint=demo/target --out=docs/bench_engine_demo.json
+  python scripts/bench_engine.py --preset=roofline100m --out=runs/bench_engine.json
+  python scripts/bench_engine.py --checkpoint=demo/target \
+      --out=docs/results/engine_overhead/bench_engine.json
 
 1. Overhead: the oracle drafter replays the AR output with synthetic acceptance profiles.
    Measured speedup (AR decode time / speculative decode time) is compared with the model

@@ -1,6 +1,6 @@
 """Benchmark pallas_kernels.block_attention against dense masked XLA attention.
 
-  python scripts/bench_kernels.py [--out=docs/bench_kernels_gpu.md] [--tiles=64x64,128x64]
+  python scripts/bench_kernels.py [--out=docs/results/kernels_gpu/results.md] [--tiles=64x64,128x64]
 
 On a GPU: for the DFlash training mask (B=16, 512 anchors, S=3072 context, 32
 heads, head_dim 128, bf16, batch 1) and a causal mask (8192 tokens, same heads),
@@ -35,7 +35,7 @@ from pallas_kernels.block_attention import DFlashTrainMask  # noqa: E402
 from pallas_kernels.block_attention import mask_info  # noqa: E402
 from pallas_kernels.block_attention import reference  # noqa: E402
 
-_OUT = flags.DEFINE_string('out', 'docs/bench_kernels_gpu.md',
+_OUT = flags.DEFINE_string('out', 'docs/results/kernels_gpu/results.md',
                            'Markdown file for the results table.')
 _TILES = flags.DEFINE_string('tiles', '64x64,128x64',
                              'Comma-separated block_q x block_kv to time.')
