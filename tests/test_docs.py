@@ -1,5 +1,5 @@
 """The docs stay a product page: RESULTS.md short with its headline table first, every link
-resolving, docs/ holding only what the page cites, and no path outside the repo anywhere."""
+(of the pages and the result reports) resolving, docs/ holding only what the page cites, and no path outside the repo anywhere."""
 
 import os
 import re
@@ -58,7 +58,10 @@ def test_results_page_is_short_and_opens_with_the_headline_table():
 
 def test_every_link_resolves():
   broken = []
-  for page in PAGES:
+  reports = sorted(os.path.relpath(os.path.join(folder, name), REPO_ROOT)
+                   for folder, _, names in os.walk(os.path.join(DOCS, 'results'))
+                   for name in names if name.endswith('.md'))
+  for page in PAGES + tuple(reports):
     text = _read(page)
     for link in _links(text):
       path, _, anchor = link.partition('#')
