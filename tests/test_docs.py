@@ -1,5 +1,6 @@
 """The docs stay a product page: RESULTS.md short with its headline table first, every link
-(of the pages and the result reports) resolving, docs/ holding only what the page cites, and no path outside the repo anywhere."""
+(pages and result reports) resolving, docs/ holding only what the page cites, and no path
+outside the repo anywhere."""
 
 import os
 import re
