@@ -75,6 +75,23 @@ def test_every_link_resolves():
   assert not broken, broken
 
 
+def test_sections_the_code_cites_exist():
+  """A section name quoted after docs/DESIGN.md or docs/RESULTS.md in code is a heading."""
+  headings = {page: {m.group(1).strip() for m in re.finditer(r'^#+\s+(.+)$', _read(page),
+                                                             re.MULTILINE)}
+              for page in ('docs/DESIGN.md', 'docs/RESULTS.md')}
+  cited, missing = 0, []
+  for rel in _repo_files():
+    if not rel.endswith(('.py', '.sh', '.ipynb')):
+      continue
+    for m in re.finditer(r'(docs/(?:DESIGN|RESULTS)\.md),?\s*\(?"([^"]+)"', _read(rel)):
+      page, section = m.group(1), ' '.join(m.group(2).split())
+      cited += 1
+      if not any(h == section or h.startswith(section + ':') for h in headings[page]):
+        missing.append(f'{rel}: {page} "{section}"')
+  assert cited and not missing, missing
+
+
 def test_docs_hold_only_what_the_page_cites():
   assert sorted(os.listdir(DOCS)) == ['DESIGN.md', 'RESULTS.md', 'results']
   results = _read('docs/RESULTS.md')
