@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dspec import checkpoint
 from dspec.models.dflash import save_dflash
 from dspec.models.dspark import DSparkConfig, DSparkModel
 from dspec.training.dflash_task import loss_gamma, sample_anchors
@@ -316,8 +317,10 @@ def build_task(cfg, workdir: str) -> TrainTask:
         m.update({prefix + 'ece_raw': report['ece_raw'], prefix + 'ece': report['ece']})
     return m
 
+  trained_on = checkpoint.target_record(target, cfg.model)
+
   def export(model, path, step):
-    extra = {'train_step': step}
+    extra = {'train_step': step, **trained_on}
     if model.confidence_head is not None and d.calibrate:
       _, arrays = held_out(model, target)
       if len(arrays['conf']):

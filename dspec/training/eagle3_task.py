@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspec import checkpoint
 from dspec.models.eagle3 import (Eagle3Config, Eagle3Model, default_target_layer_ids,
                                  save_eagle3)
 from dspec.models.draft_vocab import frequent_tokens
@@ -145,9 +146,11 @@ def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
     return eagle3_loss(model, target, batch, key, steps=steps, decay=decay,
                        soft_targets=e.soft_targets)
 
+  trained_on = checkpoint.target_record(target, cfg.model)
+
   def export(model, path, step):
     save_eagle3(path, model, storage_dtype=tcfg.storage_dtype, force=True,
-                extra={'train_step': step})
+                extra={'train_step': step, **trained_on})
 
   return TrainTask(model=model, frozen=target, loss_fn=loss_fn, get_batch=get_batch,
                    evaluate=evaluate, export=export)

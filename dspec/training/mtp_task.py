@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspec import checkpoint
 from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
 from dspec.training.distill import split_distilled
@@ -223,10 +224,11 @@ def build_joint_task(cfg, workdir: str) -> TrainTask:
 
 def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
                  heldout_fraction: float, name: str = 'distilled data',
-                 draft_vocab_size: int = 0) -> TrainTask:
+                 draft_vocab_size: int = 0, model_cfg=None) -> TrainTask:
   """'mtp_posthoc' on `data` (`load_distilled` format) for the frozen `target`; with
   draft_vocab_size > 0 the depths score the most target-written tokens of the training
-  rows only."""
+  rows only. With the target's config section `model_cfg` the exports record the
+  target (`checkpoint.target_record`)."""
   rows = split_distilled(data, tcfg.seq_len + 1, heldout_fraction, tcfg.eval_windows, name)
   vocab = target.cfg.vocab_size
   if draft_vocab_size:
@@ -241,9 +243,11 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
   def get_batch(step: int) -> dict:
     return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
+  trained_on = checkpoint.target_record(target, model_cfg) if model_cfg else {}
+
   def export(model, path, step):
     save_mtp(path, model, storage_dtype=tcfg.storage_dtype, force=True,
-             extra={'train_step': step})
+             extra={'train_step': step, **trained_on})
 
   return TrainTask(model=mtp, frozen=target,
                    loss_fn=functools.partial(posthoc_loss, weights=weights),
@@ -258,7 +262,7 @@ def build_posthoc_task(cfg, workdir: str) -> TrainTask:
   target, _, _ = build_target(cfg.model)
   task = posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
                       cfg.data.heldout_fraction, cfg.data.path,
-                      cfg.mtp.get('draft_vocab_size', 0))
+                      cfg.mtp.get('draft_vocab_size', 0), cfg.model)
   if cfg.training.get('corpus_eval'):
     on_corpus = corpus_evaluator(cfg, workdir, target.cfg.vocab_size)
     on_distilled = task.evaluate

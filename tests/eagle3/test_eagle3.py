@@ -21,7 +21,8 @@ from dspec.decoding.state import DraftContext
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, save_eagle3
 from dspec.models.formats.eagle3 import load_eagle3, save_speculators
-from dspec.models.transformer import TargetOutput
+from dspec import checkpoint
+from dspec.models.transformer import TargetOutput, Transformer
 from lossless_checks import check_engine_samples_match_target
 from speculators_import import speculators_module
 
@@ -263,9 +264,10 @@ def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
 # ------------------------------------------------------------------------- training
 
 
-def test_training_lowers_loss_and_exports(tiny_model, tmp_path):
+def test_training_lowers_loss_and_exports(tiny_model, tmp_path, capsys):
   """TTT training (3 steps, reduced head from the written-token counts) on the tiny
-  target's own outputs lowers every step's loss; the export loads as a drafter."""
+  target's own outputs lowers every step's loss; the export loads as a drafter and records
+  its target, so loading it against another target warns."""
   from configs import eagle3_demo
   from dspec.training import eagle3_task, trainer
   cfg = eagle3_demo.get_config('tiny,vocab=40')
@@ -280,3 +282,11 @@ def test_training_lowers_loss_and_exports(tiny_model, tmp_path):
   assert after['acc0'] > before['acc0'] and after['tau_est'] > before['tau_est']
   drafter, _ = Eagle3Drafter.create(load_eagle3(str(tmp_path / 'final')))
   assert drafter.num_draft == 3 and drafter.taps == (1, 0, 1)
+  record = checkpoint.read_model_metadata(str(tmp_path / 'final'), 'eagle3')['extra']
+  assert record['target_sha256'] == checkpoint.weights_fingerprint(tiny_model)
+  capsys.readouterr()
+  other = Transformer(TINY, rngs=nnx.Rngs(7))
+  registry.build_drafter(_with_path(str(tmp_path / 'final')), other)
+  err = capsys.readouterr().err
+  assert err.startswith('warning: ') and record['target_sha256'][:12] in err
+
