@@ -126,17 +126,32 @@ def demo_epoch_steps(epochs: float, batch_size: int) -> int:
   return int(-(-epochs * DEMO_TRAIN_ROWS // batch_size))
 
 
-def deep_block_recipe(t: ml_collections.ConfigDict) -> None:
-  """Training knobs of the deep recipe on a `drafter_training` section: 4 rows of 128
-  anchors per step, 4 epochs, WSD (its end can move while it runs: runs span sessions),
-  bf16 exports every 250 steps (what a fresh machine resumes from), 128 held-out rows."""
-  t.batch_size = 4
-  t.num_steps = demo_epoch_steps(4, t.batch_size)
-  t.schedule = 'wsd'
-  t.decay_ratio = 0.15
-  t.storage_dtype = 'bfloat16'
-  t.eval_every = 500
-  t.eval_windows = 128
+# Arguments of the block drafters' configs (DFlash, DFlash-2, DSpark) for `block_recipe`.
+BLOCK_RECIPE_ARGS = dict(deep=False, anchors=0, batch=0, epochs=0.0)
+
+
+def block_recipe(t: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
+                 args) -> None:
+  """The block drafters' recipe arguments (`BLOCK_RECIPE_ARGS`) on a `drafter_training`
+  section `t` and the drafter section (its `num_anchors`). `deep`: 4 rows of 128 anchors
+  per step, 4 epochs, WSD (its end can move while it runs: runs span sessions), bf16
+  exports every 250 steps (what a fresh machine resumes from), 128 held-out rows; then
+  anchors=N, batch=N and epochs=E (steps from the demo's row count) override."""
+  if args.deep:
+    section.num_anchors = DEEP_ANCHORS
+    t.batch_size = 4
+    t.num_steps = demo_epoch_steps(4, t.batch_size)
+    t.schedule = 'wsd'
+    t.decay_ratio = 0.15
+    t.storage_dtype = 'bfloat16'
+    t.eval_every = 500
+    t.eval_windows = 128
+  if args.anchors:
+    section.num_anchors = args.anchors
+  if args.batch:
+    t.batch_size = args.batch
+  if args.epochs:
+    t.num_steps = demo_epoch_steps(args.epochs, t.batch_size)
 
 
 def training_config(task: str) -> ml_collections.ConfigDict:

@@ -29,8 +29,8 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, bd3lm=False, layers=2, block=16, steps=3000,
-                          minutes=0.0, vocab=0, data='runs/distill_demo8k', deep=False,
-                          anchors=0, batch=0, epochs=0.0)
+                          minutes=0.0, vocab=0, data='runs/distill_demo8k',
+                          **common.BLOCK_RECIPE_ARGS)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'
@@ -48,8 +48,7 @@ def get_config(arg=None):
       'draft_vocab_size': args.vocab,  # 0 = full; N = head over the N tokens the target
                                        # writes most often (FR-Spec): a cheaper draft pass
       'attention_impl': 'xla',     # xla | pallas
-      'num_anchors': args.anchors or (common.DEEP_ANCHORS if args.deep else 16),
-                                   # DFlash: blocks per sequence
+      'num_anchors': 16,           # DFlash: blocks per sequence
       'anchor_supervised': False,  # True: anchor must be target-written (reference);
                                    # False: the last prompt token is an anchor too
       'loss_gamma': 0.0,           # 0 -> 7 for B=16, 5 for 10, 4 for 8
@@ -59,12 +58,7 @@ def get_config(arg=None):
   })
   t = common.drafter_training(cfg, 'bd3lm' if args.bd3lm else 'dflash', args.data,
                               args.steps, args.minutes)
-  if args.deep:
-    common.deep_block_recipe(t)
-  if args.batch:
-    t.batch_size = args.batch
-  if args.epochs:
-    t.num_steps = common.demo_epoch_steps(args.epochs, t.batch_size)
+  common.block_recipe(t, cfg.dflash, args)
 
   if args.tiny:
     cfg.model = common.model_config('tiny')

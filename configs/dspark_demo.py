@@ -4,14 +4,17 @@ head and a confidence head (training.task = dspark, `dspec/models/dspark.py`).
 Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dspark_demo.py:layers=1,block=15,steps=1500 \
       --workdir=runs/dspark_demo   # the family's budget and DFlash's 15 drafts
+  python scripts/train.py --config=configs/dspark_demo.py:deep,layers=5 \
+      --workdir=runs/dspark_l5     # the deep recipe on a deep backbone
   python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence
-Arguments: layers=N (draft layers, default 2), block=B (drafts per block, default 7; 3 with tiny),
-head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 32, which keeps the
-demo drafter's size near DFlash's; 0 = none),
-steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default
-runs/distill_demo8k), tiny (random tiny target, tiny drafter: for tests).
+Arguments: layers=N (draft layers, default 2), block=B (drafts per block, default 7; 3
+with tiny), head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 32, which
+keeps the demo drafter's size near DFlash's; 0 = none), deep, anchors=N, batch=N,
+epochs=E (the block drafters' recipe, as in configs/dflash_demo.py), steps=N, minutes=M
+(wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), tiny (random
+tiny target, tiny drafter: for tests).
 Training knobs (--config.dspark.<key>): ce_weight / tv_weight / confidence_weight (0.1 /
 0.9 / 1.0), loss_gamma (0: 4 for B=7), enable_confidence_head, confidence_head_with_markov,
 calibrate (fit the confidence temperatures on held-out data at export).
@@ -33,7 +36,8 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, layers=2, block=0, head='vanilla', rank=32,
-                          steps=3000, minutes=0.0, data='runs/distill_demo8k')
+                          steps=3000, minutes=0.0, data='runs/distill_demo8k',
+                          **common.BLOCK_RECIPE_ARGS)
   block = args.block or (3 if args.tiny else 7)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
@@ -63,6 +67,7 @@ def get_config(arg=None):
       'calibrate': True,
   })
   t = common.drafter_training(cfg, 'dspark', args.data, args.steps, args.minutes)
+  common.block_recipe(t, cfg.dspark, args)
 
   if args.tiny:
     cfg.model = common.model_config('tiny')
