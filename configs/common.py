@@ -5,11 +5,13 @@ Config files define `get_config(arg=None)`; `arg` is the text after `:` in
 """
 
 import copy
+import dataclasses
 
 import ml_collections
 
 from dspec import sharding
 from dspec.decoding.drafters import registry
+from dspec.decoding.policy import ControllerConfig
 
 # Model shapes used by several configs. `tiny` runs in seconds on a laptop CPU.
 MODEL_PRESETS = {
@@ -66,6 +68,11 @@ def drafter_configs() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(copy.deepcopy(registry.DEFAULTS))
 
 
+def controller_config() -> ml_collections.ConfigDict:
+  """The verify-length controller's knobs (`dspec.decoding.policy.ControllerConfig`)."""
+  return ml_collections.ConfigDict(dataclasses.asdict(ControllerConfig()))
+
+
 def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   """The fields every decode config has (docs/DESIGN.md, "Command-line contract")."""
   cfg = ml_collections.ConfigDict()
@@ -79,6 +86,7 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.drafter = 'none'        # none | ngram | suffix | oracle | self | mtp | dflash
   cfg.compare_ar = False
   cfg.verify_length = 'auto'  # auto: the load-aware controller picks it | fixed: num_draft
+  cfg.controller = controller_config()   # its knobs (tiers capped at num_draft)
   cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device
   cfg.sharding_rules = sharding.DEFAULT_RULES
   cfg.distributed = False     # True: jax.distributed.initialize() first (multi-host)

@@ -34,9 +34,12 @@ Contract:
   propose_prefix   the first g tokens of `propose` (a smaller controller tier of a
                    `truncate_for_tiers` drafter); the default slices the whole proposal,
                    a drafter may skip the work of the later slots (DFlash's head).
-  propose_from_tokens  optional: (tokens_BL, num_tokens_B) -> Proposal, for drafters
-                   whose proposal is a function of the committed tokens alone (n-gram);
-                   the controller then judges them in retrospect at every length.
+  proposes_from_tokens  True for drafters whose proposal is a function of the committed
+                   tokens alone (n-gram), with `propose_from_tokens(tokens_BL,
+                   num_tokens_B) -> Proposal`: the controller then judges them in
+                   retrospect at every length.
+  set_verify_cost  (state, λ) -> state: the controller's marginal cost of one more
+                   verified draft (DSpark's per-row verify lengths); the default ignores it.
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts). A draft id
 outside the target's vocabulary ends the proposal at that slot.
@@ -78,6 +81,7 @@ class Drafter(Protocol):
   taps: Tuple[int, ...]
   truncate_for_tiers: bool
   samples_proposals: bool
+  proposes_from_tokens: bool
 
   def init(self, params, target, ctx: DraftContext, prefill_out) -> Any: ...
 
@@ -95,6 +99,8 @@ class Drafter(Protocol):
 
   def with_num_draft(self, num_draft: int) -> 'Drafter': ...
 
+  def set_verify_cost(self, state, verify_cost: float) -> Any: ...
+
 
 def empty_proposal(batch: int, num_draft: int) -> Proposal:
   """A proposal with no draft tokens in any row."""
@@ -107,9 +113,13 @@ class DrafterBase:
   taps: Tuple[int, ...] = ()
   truncate_for_tiers: bool = False
   samples_proposals: bool = False
+  proposes_from_tokens: bool = False
 
   def check_target(self, target_cfg) -> None:
     return None
+
+  def set_verify_cost(self, state, verify_cost: float):
+    return state
 
   def with_num_draft(self, num_draft: int):
     return dataclasses.replace(self, num_draft=num_draft)
@@ -276,6 +286,7 @@ class TruncatedDrafter:
   inner: Any
   num_draft: int
   truncate_for_tiers = True
+  proposes_from_tokens = False
 
   @property
   def samples_proposals(self) -> bool:
@@ -306,6 +317,9 @@ class TruncatedDrafter:
 
   def check_target(self, target_cfg) -> None:
     return self.inner.check_target(target_cfg)
+
+  def set_verify_cost(self, state, verify_cost: float):
+    return self.inner.set_verify_cost(state, verify_cost)
 
   def with_num_draft(self, num_draft: int):
     return dataclasses.replace(self, num_draft=num_draft)

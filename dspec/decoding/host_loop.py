@@ -61,6 +61,7 @@ import numpy as np
 
 from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.engine import device_scalar
+from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal
 
@@ -260,8 +261,12 @@ def _compiled_widths(engine, ar_engine, tokens_shape) -> set:
   return set()
 
 
+_KNOBS = ControllerConfig()   # the loop's defaults: `--config.controller.host_*`
+
+
 def compile_step_widths(engine, target_params, drafter_params, state,
-                        fallback: Optional[ARFallback] = None, max_chunk: int = 128) -> None:
+                        fallback: Optional[ARFallback] = None,
+                        max_chunk: int = _KNOBS.host_max_chunk) -> None:
   """Compiles and runs `engine.step` (with `fallback`, also its `try_then_run` and AR
   chunk) at every `verify_width` not compiled yet, and the read-back of the loop's
   `max_chunk`, before the loop (the runner calls it; the loop alone compiles each when
@@ -308,8 +313,9 @@ def _unpaid_after(walk: Walk, cost: float, patience: int, scale: float = 1.0,
 
 
 def generate_host_loop(engine, target_params, drafter_params, state, host_drafter, *,
-                       fallback=None, patience: int = 2, chunk: int = 8,
-                       max_chunk: int = 128, walk_tail: int = 16,
+                       fallback=None, patience: int = _KNOBS.host_patience,
+                       chunk: int = _KNOBS.host_chunk, max_chunk: int = _KNOBS.host_max_chunk,
+                       walk_tail: int = _KNOBS.host_walk_tail,
                        step_cost: Optional[float] = None, started: bool = False,
                        prompt_walk: Optional[Walk] = None):
   """Runs `engine.step` until every row is done, proposals coming from `host_drafter`

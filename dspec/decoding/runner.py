@@ -21,11 +21,12 @@ from flax import nnx
 
 from dspec import config_checks, datasets, loading, sharding
 from dspec.decoding import drafter as drafter_lib
-from dspec.decoding.controller import ControllerConfig, VerifyLengthController
+from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import (ARFallback, compile_step_widths, generate_host_loop,
                                      start_host_drafter)
+from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
@@ -33,7 +34,6 @@ from dspec.metrics import acceptance_metrics
 
 INT32_MAX = 2**31 - 1
 VERIFY_LENGTHS = ('auto', 'fixed')
-CONTROLLER_TIERS = (0, 1, 3, 7, 15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +87,13 @@ class Target:
 
 def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
                    settings: Settings, host_factory: Optional[Callable] = None,
-                   host_fallback=None):
+                   host_fallback=None, controller: ControllerConfig = ControllerConfig()):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
   while they stop paying; their set-up over the prompts (suffix tries) runs while the
   device prefills, as a server starts a request's host state on arrival, and the first
   run compiles the loop's step at every verify width (`compile_step_widths`) and prices a
-  step against AR's (`ARFallback.price`)."""
+  step against AR's (`ARFallback.price`); `controller` has the fallback's knobs."""
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
@@ -101,7 +101,7 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   host = None if host_factory is None else host_factory()
   if host is not None:
     compile_step_widths(engine, target_params, drafter_params, state,   # first run only
-                        host_fallback)
+                        host_fallback, controller.host_max_chunk)
     if host_fallback is not None:
       host_fallback.price(engine, target_params, drafter_params, state)
     prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
@@ -114,7 +114,10 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   else:
     state = generate_host_loop(engine, target_params, drafter_params, state, host,
                                fallback=host_fallback, started=True,
-                               prompt_walk=prompt_walk)
+                               prompt_walk=prompt_walk, patience=controller.host_patience,
+                               chunk=controller.host_chunk,
+                               max_chunk=controller.host_max_chunk,
+                               walk_tail=controller.host_walk_tail)
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 
@@ -129,6 +132,7 @@ class Generation:
   drafter_params: object = None
   host_factory: Optional[Callable] = None
   host_fallback: object = None
+  controller: ControllerConfig = ControllerConfig()
 
 
 def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B,
@@ -148,7 +152,7 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
       t = time.perf_counter()
       states[i], prefill_s, decode_s = run_generation(
           g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
-          g.host_factory, g.host_fallback)
+          g.host_factory, g.host_fallback, g.controller)
       if r == 0:
         first_s[i] = time.perf_counter() - t
       if r or not settings.timing_repeats:   # no timed rounds: the warm-up's time counts
@@ -188,9 +192,10 @@ def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
 
 
 def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
-                       verify_length: str = 'auto', trace: bool = False):
+                       verify_length: str = 'auto', trace: bool = False,
+                       controller: ControllerConfig = ControllerConfig()):
   """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
-  picks each chunk's verify length from CONTROLLER_TIERS (up to the drafter's num_draft;
+  picks each chunk's verify length from `controller.tiers` (up to the drafter's num_draft;
   tier 0 is plain AR); with 'fixed' (and for AR or host-side drafters, whose 'auto' is the
   host loop's AR fallback, `host_fallback`) every step verifies the whole proposal."""
   if verify_length not in VERIFY_LENGTHS:
@@ -199,9 +204,10 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
     return SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
                              trace=trace)
-  tiers = tuple(sorted({g for g in CONTROLLER_TIERS if g < gamma} | {gamma}))
+  tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
   return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
-                                config=ControllerConfig(tiers=tiers), trace=trace)
+                                config=dataclasses.replace(controller, tiers=tiers),
+                                trace=trace)
 
 
 def _transfer_guard(debug: bool):
@@ -213,6 +219,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
            settings: Settings = Settings(), batch_size: int = 0, compare_ar: bool = False,
            verify_length: str = 'auto', trace: bool = False, debug: bool = False,
            placement: Optional[sharding.Placement] = None,
+           controller: ControllerConfig = ControllerConfig(),
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
@@ -220,7 +227,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
   the report gets `speedup` (AR decode time / this decode time; medians), `speedup_rounds`
   (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's).
-  verify_length: see `speculative_engine` (a mesh `placement` runs 'fixed'). debug:
+  verify_length, controller: see `speculative_engine` (a mesh `placement` runs 'fixed'). debug:
   generation runs under `jax.transfer_guard('disallow')`, so an implicit host/device
   transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
@@ -241,12 +248,14 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
                                              stop_ids=stop_ids, trace=trace), placement)
   else:
     engine = speculative_engine(graphdef, drafter, spec, stop_ids,
-                                verify_length=verify_length, trace=trace)
+                                verify_length=verify_length, trace=trace,
+                                controller=controller)
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
     fallback = ARFallback.of(engine)
-  generations = [Generation(engine, target_params, drafter_params, host_factory, fallback)]
+  generations = [Generation(engine, target_params, drafter_params, host_factory, fallback,
+                            controller)]
   if compare_ar:   # the rounds rotate which generation runs first
     generations.insert(0, Generation(
         wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params))
@@ -326,7 +335,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   out = decode(target, prompts, drafter, drafter_params, settings=settings,
                batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
                verify_length=cfg.verify_length, trace=trace, debug=cfg.debug,
-               placement=placement, progress=progress)
+               placement=placement, progress=progress,
+               controller=ControllerConfig.from_config(cfg.get('controller', {})))
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

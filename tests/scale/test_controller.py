@@ -1,7 +1,6 @@
 """The verify-length controller: lossless at every tier, and it picks what pays."""
 
 import dataclasses
-import types
 
 import jax
 import numpy as np
@@ -11,9 +10,10 @@ from flax import nnx
 
 from conftest import TINY, generate
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.decoding.controller import (AcceptanceEstimate, ControllerConfig, CostTable,
-                                       VerifyLengthController, _retrospective_match,
-                                       expected_tokens, tier_drafter)
+from dspec.decoding.controller import VerifyLengthController, tier_drafter
+from dspec.decoding.costs import CostTable
+from dspec.decoding.estimate import AcceptanceEstimate, expected_tokens, retrospective_match
+from dspec.decoding.policy import ControllerConfig, choose
 from dspec.decoding.drafter import TruncatedDrafter
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.drafters.dspark import DSparkDrafter
@@ -164,7 +164,8 @@ def test_first_decision_looks_before_verifying(tiny_split, ar):
                                   (SelfDrafter(num_draft=3), 0.0, 1)):
     controller = VerifyLengthController(tiny_split[0], drafter, config=cfg,
                                         cost_table=_costs(0.05, propose))
-    assert controller.choose({0: 1.0, 1: 2.0, 3: 2.0}, controller.payable(len(PROMPTS)))
+    assert choose({0: 1.0, 1: 2.0, 3: 2.0},
+                  controller.costs.payable(len(PROMPTS), TIERS, cfg.margin), cfg.margin)
     outs, _ = _decode(controller, tiny_split[1], None)
     assert outs == ar[0]
     trace = [(g, n // len(PROMPTS)) for g, n, _ in controller.last_trace]
@@ -209,7 +210,7 @@ def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
   assert outs == ar[0]
   # No tier could pay even if every draft were accepted: one AR chunk, nothing proposed.
   assert [g for g, _, _ in controller.last_trace] == [0]
-  assert controller.payable(len(PROMPTS)) == []
+  assert controller.costs.payable(len(PROMPTS), TIERS, 0.1) == ()
 
 
 def test_unpayable_batch_runs_plain_ar_with_a_stateful_drafter(tiny_model, tiny_split, ar):
@@ -277,8 +278,7 @@ def test_acceptance_estimate_and_expected_tokens():
   assert expected_tokens(alpha, 2, live, np.array([1, 9]), rate) == 1.0
   # A step costs the drafting step's price only when some live row proposes.
   table = CostTable({(2, 0): 1.0, (2, 2): 3.0}, {2: 0.1})
-  cost = lambda g, live: VerifyLengthController.step_cost(
-      types.SimpleNamespace(costs=table), 2, g, est.proposal_rate(), live)
+  cost = lambda g, live: table.step_cost(2, g, est.proposal_rate(), live)
   assert cost(0, live) == 1.0
   assert cost(2, live) == pytest.approx(4 / 6 * 3.0 + 2 / 6 * 1.1)
   assert cost(2, np.array([True, True])) == pytest.approx(
@@ -293,7 +293,7 @@ def test_ngram_is_judged_in_retrospect(tiny_split, ar):
   times) commit what AR does."""
   tokens_BL = np.array([[1, 2, 3, 1, 2, 3, 1, 2, 4, 0, 0, 0]], np.int32)
   drafter = NgramDrafter(num_draft=3, min_n=1, max_n=2)
-  accepted, judged, proposed = jax.device_get(_retrospective_match(
+  accepted, judged, proposed = jax.device_get(retrospective_match(
       drafter, 8, tokens_BL, np.array([3], np.int32), np.array([9], np.int32)))
   assert accepted[0, :4].tolist() == [0, 3, 0, 0]
   assert judged[0, :4].tolist() == [3, 3, 1, 0] and not judged[0, 3:].any()

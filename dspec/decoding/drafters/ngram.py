@@ -37,6 +37,7 @@ class NgramDrafter(StatelessDrafter):
   num_draft: int = 8
   min_n: int = 1
   max_n: int = 4
+  proposes_from_tokens = True   # the controller judges it in retrospect
 
   def __post_init__(self):
     if not 1 <= self.min_n <= self.max_n:

@@ -1,0 +1,77 @@
+"""The controller's step-cost table: seconds per engine step for each (batch size, tier)."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from dspec import files
+
+
+class CostTable:
+  """Seconds per engine step for each (batch size, tier), and of the largest tier's
+  proposal alone per batch size; JSON round-trips (`save`, `load`)."""
+
+  def __init__(self, costs: Optional[Dict[Tuple[int, int], float]] = None,
+               propose: Optional[Dict[int, float]] = None, meta=None):
+    self.costs = dict(costs or {})
+    self.propose = dict(propose or {})   # batch -> seconds of the largest tier's proposal
+    self.meta = dict(meta or {})
+
+  def has(self, batch: int, tiers) -> bool:
+    return batch in self.propose and all((batch, g) in self.costs for g in tiers)
+
+  def __getitem__(self, key) -> float:
+    return self.costs[key]
+
+  def step_cost(self, batch: int, g: int, rate_B, live_B) -> float:
+    """Expected seconds per step at tier g: the drafting step's cost when some live row
+    proposes (probability 1 - Π_r (1 - π_r), π = `rate_B`), else the anchor-only
+    forward's, an AR step plus the proposal (an n-gram miss verifies nothing)."""
+    ar = self[batch, 0]
+    if g == 0:
+      return ar
+    idle = np.prod(np.where(live_B, 1.0 - rate_B, 1.0))
+    drafting = max(self[batch, g], ar)   # a profile below AR's is timing noise
+    anchor_only = min(ar + self.propose.get(batch, 0.0), drafting)
+    return float((1.0 - idle) * drafting + idle * anchor_only)
+
+  def payable(self, batch: int, tiers, margin: float) -> tuple:
+    """Positive tiers that would beat AR by `margin` if every draft were accepted:
+    (γ+1)/cost(B, γ) >= (1 + margin) / cost(B, 0)."""
+    floor = (1.0 + margin) / self[batch, 0]
+    return tuple(g for g in tiers if g and (g + 1) / self[batch, g] >= floor)
+
+  def verify_cost(self, batch: int, tiers) -> float:
+    """λ(B) of cost(B, γ) ≈ c0·(1 + λ·γ): least squares over `tiers`, clipped at 0; tier 0
+    counts with the proposal's cost (every positive tier drafts), so c0 includes the draft
+    pass. The marginal cost of one more verified draft relative to the fixed cost: DSpark's
+    per-row verify-length rule (`drafters/dspark.py`)."""
+    gammas = np.array(sorted(tiers), np.float64)
+    costs = np.array([self[batch, int(g)] + (self.propose.get(batch, 0.0) if g == 0 else 0.0)
+                      for g in gammas])
+    slope, c0 = np.polyfit(gammas, costs, 1)
+    c0 = c0 if c0 > 0 else costs.min()
+    return max(float(slope / c0), 0.0)
+
+  def save(self, path: str) -> None:
+    rows = {}
+    for (b, g), c in sorted(self.costs.items()):
+      rows.setdefault(str(b), {})[str(g)] = c
+    files.write_json_atomic(path, {
+        'seconds_per_step': rows, 'meta': self.meta,
+        'propose_seconds': {str(b): c for b, c in sorted(self.propose.items())}})
+
+  @classmethod
+  def load(cls, path: str) -> 'CostTable':
+    try:
+      with open(path) as f:
+        data = json.load(f)
+      costs = {(int(b), int(g)): float(c)
+               for b, row in data['seconds_per_step'].items() for g, c in row.items()}
+      propose = {int(b): float(c) for b, c in data.get('propose_seconds', {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f'bad step-cost table {path}: {e}') from e
+    return cls(costs, propose, data.get('meta'))
