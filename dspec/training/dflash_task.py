@@ -81,6 +81,27 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, anchor_supervised: bool 
   return jnp.where(anchors_BN == big, -1, anchors_BN).astype(jnp.int32)
 
 
+def anchor_block_hidden(drafter: DFlashModel, target, taps_BSND, tokens_BS, anchors_BN):
+  """(post-norm hidden [B, N, b, D] of the blocks [token_a, MASK×(b−1)] at positions
+  a..a+b−1 (b = the trained block) over the fused target context before each anchor a,
+  positions [B, N, b]): one pass for every anchor, as at decode (anchor −1: invalid)."""
+  cfg = drafter.cfg
+  big_b = cfg.block_size
+  b, s = tokens_BS.shape
+  n = anchors_BN.shape[1]
+  k_K = jnp.arange(big_b, dtype=jnp.int32)
+  pos_BNK = anchors_BN[..., None] + k_K
+  anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
+  block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
+  context_BSD = drafter.fuse(taps_BSND, target)
+  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+  ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
+  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
+                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
+                       anchors_BN, block_size=big_b)
+  return hidden_BQD.reshape(b, n, big_b, -1), pos_BNK
+
+
 def dflash_terms(drafter: DFlashModel, target, taps_BSND, tokens_BS, loss_mask_BS,
                  anchors_BN, gamma: float) -> dict:
   """Per-slot terms [B, N, B−1] of slots 1..B−1: ce, hit (argmax == label), weight.
@@ -93,18 +114,9 @@ def dflash_terms(drafter: DFlashModel, target, taps_BSND, tokens_BS, loss_mask_B
   big_b = cfg.block_size
   b, s = tokens_BS.shape
   n = anchors_BN.shape[1]
-  k_K = jnp.arange(big_b, dtype=jnp.int32)
-  pos_BNK = anchors_BN[..., None] + k_K
-  anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
-  block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
-
-  context_BSD = drafter.fuse(taps_BSND, target)
-  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-  ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
-  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
-                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
-                       anchors_BN, block_size=big_b)
-  hidden_BNKD = hidden_BQD.reshape(b, n, big_b, -1)[:, :, 1:]
+  hidden_BNKD, pos_BNK = anchor_block_hidden(drafter, target, taps_BSND, tokens_BS,
+                                             anchors_BN)
+  hidden_BNKD = hidden_BNKD[:, :, 1:]
   logits_BNKV = drafter.draft_logits(
       target, hidden_BNKD.reshape(b, n * (big_b - 1), -1)).reshape(b, n, big_b - 1, -1)
 

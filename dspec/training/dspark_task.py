@@ -43,7 +43,7 @@ from flax import nnx
 from dspec import checkpoint
 from dspec.models.dflash import save_dflash
 from dspec.models.dspark import DSparkConfig, DSparkModel
-from dspec.training.dflash_task import loss_gamma, sample_anchors
+from dspec.training.dflash_task import anchor_block_hidden, loss_gamma, sample_anchors
 from dspec.training.losses import token_cross_entropy
 from dspec.training.trainer import TrainTask
 
@@ -61,19 +61,13 @@ def dspark_terms(drafter: DSparkModel, target, tokens_BS, loss_mask_BS, anchors_
   n = anchors_BN.shape[1]
   out = target(tokens_BS, taps=cfg.target_layer_ids, compute_logits=False)
   taps_BSND = jax.lax.stop_gradient(out.taps_BTND)
-  k_K = jnp.arange(big_b, dtype=jnp.int32)
-  pos_BNK = anchors_BN[..., None] + k_K
+  hidden_BNKD, pos_BNK = anchor_block_hidden(drafter, target, taps_BSND, tokens_BS,
+                                             anchors_BN)
+  hidden_BQD = hidden_BNKD.reshape(b, n * big_b, -1)
   safe_BNK = jnp.clip(pos_BNK, 0, s - 1)
   take = lambda x_BS, p_BNK: jnp.take_along_axis(x_BS, p_BNK.reshape(b, -1), axis=1
                                                  ).reshape(p_BNK.shape)
   prev_BNK = take(tokens_BS, safe_BNK)                # the token at a+k (k = 0: the anchor)
-  block_BNK = jnp.where(k_K == 0, prev_BNK, cfg.mask_token_id)
-
-  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-  ctx_k, ctx_v = drafter.context_kv(drafter.fuse(taps_BSND, target), ctx_pos_BS)
-  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
-                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
-                       anchors_BN, block_size=big_b)
   logits_BQV, conf_BQ = drafter.heads(target, hidden_BQD, prev_BNK.reshape(b, -1))
   logits_BNKV = logits_BQV.reshape(b, n, big_b, -1)
 

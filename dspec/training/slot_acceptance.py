@@ -1,0 +1,233 @@
+"""Teacher-forced per-slot acceptance of any learned drafter on target-written rows.
+
+For every decode anchor a of a row (the last committed token: a >= 1 with token a+1
+target-written) the drafter drafts slots 1..K exactly as it drafts at T = 0 when tokens
+0..a are committed: DFlash the argmax of its block pass, DFlash-2 the candidate selector's
+walk, DSpark the Markov walk, EAGLE-3 and MTP their chain, each step reading the drafter's
+own earlier drafts. Slot k hits when its draft is the row's token a+k (the rows are the
+target's greedy continuations) and counts only where a+k is target-written. With fixed
+verification of the K drafts, a step at that anchor accepts the leading run of hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspec.models.dflash2 import DFlash2Model, propose_block
+from dspec.models.dspark import DSparkModel
+from dspec.models.eagle3 import Eagle3Model
+from dspec.models.mtp import MTP
+from dspec.training.dflash_task import anchor_block_hidden
+
+KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
+ANCHORS_PER_CALL = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotTable:
+  """Counts per draft slot k = 1..K over the anchors of held-out rows.
+
+  reached_K: anchors with slot k target-written and slots < k all hit; passed_K: those
+  whose slot k hit too; hit_K / valid_K: slot k hit / target-written regardless of earlier
+  slots.
+  """
+
+  reached_K: np.ndarray
+  passed_K: np.ndarray
+  hit_K: np.ndarray
+  valid_K: np.ndarray
+  num_anchors: int
+  walk_steps: int = 0        # the decode walk (`decode_walk`): verify steps ...
+  walk_committed: int = 0    # ... and the tokens they commit
+
+  @classmethod
+  def from_hits(cls, hit_NK, valid_NK, walk_steps: int = 0,
+                walk_committed: int = 0) -> 'SlotTable':
+    hit_NK, valid_NK = np.asarray(hit_NK, bool), np.asarray(valid_NK, bool)
+    run_NK = np.cumprod(hit_NK & valid_NK, axis=1).astype(bool)
+    before_NK = np.concatenate([np.ones_like(run_NK[:, :1]), run_NK[:, :-1]], axis=1)
+    reached_NK = valid_NK & before_NK
+    return cls(reached_NK.sum(0), (reached_NK & hit_NK).sum(0),
+               (hit_NK & valid_NK).sum(0), valid_NK.sum(0), len(hit_NK),
+               int(walk_steps), int(walk_committed))
+
+  @property
+  def num_slots(self) -> int:
+    return len(self.reached_K)
+
+  @property
+  def conditional(self) -> np.ndarray:
+    """p(slot k hit | slots < k hit) [K] (0 where no anchor reached slot k)."""
+    return self.passed_K / np.maximum(self.reached_K, 1)
+
+  @property
+  def start_hit(self) -> np.ndarray:
+    """p(slots 1..k all hit) [K]: the product of the conditionals."""
+    return np.cumprod(self.conditional)
+
+  @property
+  def marginal(self) -> np.ndarray:
+    """p(slot k hit) [K], earlier slots regardless."""
+    return self.hit_K / np.maximum(self.valid_K, 1)
+
+  @property
+  def tau(self) -> float:
+    """1 + E[accepted drafts] at an anchor with fixed verification of the K drafts, every
+    anchor (row position) weighted alike."""
+    return 1.0 + float(np.sum(self.start_hit))
+
+  @property
+  def walk_tau(self) -> float:
+    """Tokens per verify step of the decode walk: what a T = 0 decode of the rows' prompts
+    commits per step (0 without a walk). It weights positions as decoding does: a stretch
+    the drafter gets right takes few steps, where `tau` counts each of its positions."""
+    return self.walk_committed / self.walk_steps if self.walk_steps else 0.0
+
+  def to_dict(self) -> dict:
+    return {'num_anchors': self.num_anchors, 'num_slots': self.num_slots, 'tau': self.tau,
+            'walk_tau': self.walk_tau, 'walk_steps': self.walk_steps,
+            'conditional': self.conditional.tolist(), 'start_hit': self.start_hit.tolist(),
+            'marginal': self.marginal.tolist(), 'reached': self.reached_K.tolist(),
+            'passed': self.passed_K.tolist()}
+
+
+def kind_of(drafter) -> str:
+  """The family name of a drafter module."""
+  for cls, kind in ((DSparkModel, 'dspark'), (DFlash2Model, 'dflash2'), (Eagle3Model, 'eagle3'),
+                    (MTP, 'mtp')):
+    if isinstance(drafter, cls):
+      return kind
+  return 'dflash'
+
+
+def num_slots(drafter) -> int:
+  """K: the drafts per step each family proposes by default (registry `num_draft` 0)."""
+  kind = kind_of(drafter)
+  if kind in ('dflash', 'dflash2'):
+    return drafter.cfg.block_size - 1
+  if kind == 'dspark':
+    return drafter.cfg.block_size
+  if kind == 'eagle3':
+    return drafter.cfg.ttt_steps
+  return drafter.cfg.num_depths
+
+
+def _block_drafts(drafter, target, tokens_1S, anchors_1N):
+  """[1, N, K] drafts of a block drafter (one pass over all anchors' blocks)."""
+  taps = target(tokens_1S, taps=drafter.cfg.target_layer_ids, compute_logits=False).taps_BTND
+  hidden_1NBD, _ = anchor_block_hidden(drafter, target, taps, tokens_1S, anchors_1N)
+  _, n, big_b, d = hidden_1NBD.shape
+  anchor_N = tokens_1S[0, anchors_1N[0]]
+  if isinstance(drafter, DSparkModel):
+    return drafter.walk(target, hidden_1NBD[0], anchor_N).tokens_BG[None]
+  hidden_NGD = hidden_1NBD[0, :, 1:]
+  if isinstance(drafter, DFlash2Model):
+    return drafter.token_ids(propose_block(drafter, target, hidden_NGD, anchor_N,
+                                           greedy=True).tokens_BG)[None]
+  logits_NGV = drafter.draft_logits(target, hidden_NGD)
+  return drafter.token_ids(jnp.argmax(logits_NGV, axis=-1))[None]
+
+
+def _chain_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
+  """[1, N, K] drafts of EAGLE-3 / MTP: slot k is the model's step k at position a−1 on
+  the row with tokens a+1..a+k−1 replaced by the drafts d_1..d_{k−1}, which is what the
+  decode chain computes from the committed tokens 0..a (the replaced tokens lie after
+  every position the committed entries read)."""
+  s = tokens_1S.shape[1]
+  n = anchors_1N.shape[1]
+  rows_N = jnp.arange(n)
+  anchors_N = anchors_1N[0]
+  tokens_NS = jnp.broadcast_to(tokens_1S, (n, s))
+  if isinstance(drafter, Eagle3Model):
+    out = target(tokens_1S, taps=drafter.cfg.target_layer_ids, compute_logits=False)
+    g_1SD = drafter.fuse(out.taps_BTND, target)
+    g_NSD = jnp.broadcast_to(g_1SD, (n,) + g_1SD.shape[1:])
+    logits_of = lambda toks, k: drafter.ttt_logits(target, g_NSD, toks, k)[k - 1]
+  else:
+    out = target(tokens_1S, taps=drafter.cfg.taps(target.cfg))
+    h0_1SD = drafter.h0(out)
+    h0_NSD = jnp.broadcast_to(h0_1SD, (n,) + h0_1SD.shape[1:])
+    logits_of = lambda toks, k: drafter.logits(target, k, drafter(target, h0_NSD, toks, k)[-1])
+  drafts = []
+  for k in range(1, num_draft + 1):
+    logits_NV = logits_of(tokens_NS, k)[rows_N, anchors_N - 1]
+    draft_N = drafter.token_ids(jnp.argmax(logits_NV, axis=-1))
+    drafts.append(draft_N)
+    tokens_NS = tokens_NS.at[rows_N, anchors_N + k].set(draft_N, mode='drop')
+  return jnp.stack(drafts, axis=1)[None]
+
+
+@functools.partial(jax.jit, static_argnames=('num_draft',))
+def anchor_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
+  """The T = 0 drafts [1, N, K] at anchors [1, N] of one row (anchors >= 1; K =
+  `num_slots(drafter)`)."""
+  if isinstance(drafter, (Eagle3Model, MTP)):
+    return _chain_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
+  return _block_drafts(drafter, target, tokens_1S, anchors_1N)
+
+
+def decode_anchors(loss_mask_S) -> np.ndarray:
+  """Positions a >= 1 whose next token is target-written (the anchors a decode meets)."""
+  mask = np.asarray(loss_mask_S, bool)
+  return np.flatnonzero(mask[2:]) + 1
+
+
+def row_hits(drafter, target, tokens_S, loss_mask_S, anchors_N, num_draft: int):
+  """(hit [N, K], valid [N, K]) of one row at the given anchors."""
+  tokens_S = np.asarray(tokens_S, np.int32)
+  mask_S = np.asarray(loss_mask_S, bool)
+  s = len(tokens_S)
+  anchors_N = np.asarray(anchors_N, np.int32)
+  drafts = []
+  for i in range(0, len(anchors_N), ANCHORS_PER_CALL):
+    chunk = anchors_N[i:i + ANCHORS_PER_CALL]
+    padded = np.pad(chunk, (0, ANCHORS_PER_CALL - len(chunk)), constant_values=chunk[-1])
+    out = anchor_drafts(drafter, target, tokens_S[None], padded[None], num_draft)
+    drafts.append(np.asarray(out[0, :len(chunk)]))
+  drafts_NK = np.concatenate(drafts) if drafts else np.zeros((0, num_draft), np.int32)
+  pos_NK = anchors_N[:, None] + np.arange(1, num_draft + 1)
+  inside_NK = pos_NK < s
+  safe_NK = np.minimum(pos_NK, s - 1)
+  valid_NK = inside_NK & mask_S[safe_NK]
+  return (drafts_NK == tokens_S[safe_NK]) & valid_NK, valid_NK
+
+
+def decode_walk(anchors_N, hit_NK, valid_NK, start: int) -> tuple[int, int]:
+  """(verify steps, committed tokens) of a T = 0 decode with fixed verification over a
+  row, from its first verify anchor `start` (the prefill commits the first written token)
+  while a whole block of K slots is target-written: each step commits its run of hits + 1.
+  """
+  run_N = np.cumprod(np.asarray(hit_NK) & np.asarray(valid_NK), axis=1).sum(axis=1)
+  full_N = np.asarray(valid_NK).all(axis=1)
+  index = {int(a): i for i, a in enumerate(anchors_N)}
+  steps = committed = 0
+  a = start
+  while a in index and full_N[index[a]]:
+    steps += 1
+    committed += int(run_N[index[a]]) + 1
+    a += int(run_N[index[a]]) + 1
+  return steps, committed
+
+
+def slot_table(drafter, target, tokens_RS, loss_mask_RS) -> SlotTable:
+  """The table over every decode anchor of the rows, K = the family's default drafts,
+  with the decode walk of each row."""
+  k = num_slots(drafter)
+  hits, valids, steps, committed = [], [], 0, 0
+  for tokens_S, mask_S in zip(tokens_RS, loss_mask_RS):
+    anchors_N = decode_anchors(mask_S)
+    if len(anchors_N):
+      hit, valid = row_hits(drafter, target, tokens_S, mask_S, anchors_N, k)
+      hits.append(hit)
+      valids.append(valid)
+      row_steps, row_committed = decode_walk(anchors_N, hit, valid,
+                                             int(np.argmax(mask_S)))
+      steps, committed = steps + row_steps, committed + row_committed
+  if not hits:
+    raise ValueError('the rows have no target-written tokens to evaluate')
+  return SlotTable.from_hits(np.concatenate(hits), np.concatenate(valids), steps, committed)

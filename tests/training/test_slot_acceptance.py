@@ -1,0 +1,117 @@
+"""Teacher-forced per-slot acceptance (dspec/training/slot_acceptance.py): the statistics,
+and agreement with T = 0 decoding of the committed demo DFlash-2 at fixed verification."""
+
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO_ROOT
+from dspec.decoding.drafters.dflash import DFlashDrafter
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import pad_prompts
+from dspec.models import dflash2
+from dspec.training import slot_acceptance
+from dspec.training.slot_acceptance import SlotTable
+
+PROMPTS = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+           'Question: Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many '
+           'apples does he have left?\nAnswer:',
+           'def is_prime(n):\n')
+NEW_TOKENS = 48
+
+
+def test_slot_table_statistics_by_hand():
+  # 3 anchors, K = 3. Anchor 0 hits 1, 2 and misses 3; anchor 1 misses slot 1 but hits
+  # slot 2 (no effect on the run); anchor 2 hits slot 1, slot 2 is not target-written.
+  hit = [[1, 1, 0], [0, 1, 1], [1, 0, 0]]
+  valid = [[1, 1, 1], [1, 1, 1], [1, 0, 0]]
+  table = SlotTable.from_hits(hit, valid)
+  assert table.num_anchors == 3
+  np.testing.assert_array_equal(table.reached_K, [3, 1, 1])
+  np.testing.assert_array_equal(table.passed_K, [2, 1, 0])
+  np.testing.assert_allclose(table.conditional, [2 / 3, 1.0, 0.0])
+  np.testing.assert_allclose(table.start_hit, [2 / 3, 2 / 3, 0.0])
+  np.testing.assert_allclose(table.marginal, [2 / 3, 1.0, 0.5])
+  assert table.tau == pytest.approx(1 + 4 / 3)
+  assert table.to_dict()['reached'] == [3, 1, 1]
+
+
+@pytest.fixture(scope='module')
+def demo():
+  from dspec.loading import build_target
+  from dspec.models.formats.dflash import load_dflash
+  from configs import dflash_demo
+  cfg = dflash_demo.get_config()
+  cfg.model.path = os.path.join(REPO_ROOT, 'demo', 'target')
+  target, tokenizer, _ = build_target(cfg.model)
+  drafter = load_dflash(os.path.join(REPO_ROOT, 'demo', 'dflash2'),
+                        num_target_layers=target.cfg.num_layers)
+  return target, tokenizer, drafter
+
+
+def _decode_steps(target, drafter, prompt):
+  """(row tokens, prompt length, committed tokens per verify step) of a T = 0 decode
+  verifying every draft."""
+  spec_drafter, dparams = DFlashDrafter.create(drafter)
+  graphdef, params = nnx.split(target)
+  engine = SpeculativeEngine(graphdef, drafter=spec_drafter)
+  prompt_BP, lens = pad_prompts([prompt], width_multiple=64)
+  state = engine.generate(params, dparams, engine.prefill(
+      params, dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS))
+  n = int(state.num_tokens_B[0])
+  committed = np.asarray(state.stats.row0_committed_S)[:int(state.stats.steps_B[0])]
+  return np.asarray(state.tokens_BL[0, :n]), len(prompt), committed
+
+
+def _agreement(target, tokenizer, drafter):
+  """(steps where the teacher-forced run of hits equals the drafts decode accepted, steps
+  compared, decode τ over those steps, the rows' table with its decode walk)."""
+  k = slot_acceptance.num_slots(drafter)
+  same = total = decode_committed = 0
+  hits, valids, walk_steps, walk_committed = [], [], 0, 0
+  for text in PROMPTS:
+    row, p, committed = _decode_steps(target, drafter, tokenizer.encode(text))
+    mask = np.zeros(len(row), bool)
+    mask[p:] = True
+    all_anchors = slot_acceptance.decode_anchors(mask)
+    hit, valid = slot_acceptance.row_hits(drafter, target, row, mask, all_anchors, k)
+    hits.append(hit)
+    valids.append(valid)
+    steps, tokens = slot_acceptance.decode_walk(all_anchors, hit, valid, p)
+    walk_steps, walk_committed = walk_steps + steps, walk_committed + tokens
+    # The prefill commits token p, so the first verify step drafts from position p.
+    anchors = p + np.concatenate([[0], np.cumsum(committed)[:-1]])
+    full = anchors + k <= len(row) - 1     # the whole block inside the decoded budget
+    run = np.cumprod(hit & valid, axis=1).sum(axis=1)[np.searchsorted(all_anchors,
+                                                                      anchors[full])]
+    same += int(np.sum(run == committed[full] - 1))
+    total += int(full.sum())
+    decode_committed += int(committed[full].sum())
+  table = SlotTable.from_hits(np.concatenate(hits), np.concatenate(valids), walk_steps,
+                              walk_committed)
+  return same, total, decode_committed / max(total, 1), table
+
+
+def test_teacher_forced_acceptance_matches_decode(demo, monkeypatch):
+  """At the anchors a T = 0 decode met, the teacher-forced run of hits equals the drafts
+  decode accepted on >= 97% of steps, and the table's decode-walk τ is within 25% of
+  decode τ. (The all-anchor `tau` weights every position alike, so on rows with long easy
+  stretches it sits well above decode τ: it is printed, not compared.) Drafting DFlash-2
+  without its candidate selector (unary argmax) fails the agreement."""
+  target, tokenizer, drafter = demo
+  same, total, decode_tau, table = _agreement(target, tokenizer, drafter)
+  print(f'agree {same}/{total} decode tau {decode_tau:.3f} walk tau {table.walk_tau:.3f} '
+        f'all-anchor tau {table.tau:.3f}')
+  assert total >= 20, total
+  assert same >= 0.97 * total, (same, total)
+  assert abs(table.walk_tau - decode_tau) <= 0.25 * decode_tau, (table.walk_tau, decode_tau)
+
+  unary = lambda d, t, hidden, anchor, **kw: dflash2.SelectorWalk(
+      d.draft_logits(t, hidden).argmax(-1), None, None)
+  monkeypatch.setattr(slot_acceptance, 'propose_block', unary)
+  slot_acceptance.anchor_drafts.clear_cache()
+  mutated_same, mutated_total, _, _ = _agreement(target, tokenizer, drafter)
+  slot_acceptance.anchor_drafts.clear_cache()
+  assert mutated_same < 0.97 * mutated_total, (mutated_same, mutated_total)
