@@ -1,7 +1,11 @@
 """Teacher-forced per-slot acceptance (dspec/training/slot_acceptance.py): the statistics,
 and agreement with T = 0 decoding of the committed demo DFlash-2 at fixed verification."""
 
+import functools
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -51,9 +55,10 @@ def demo():
   return target, tokenizer, drafter
 
 
+@functools.lru_cache(maxsize=None)
 def _decode_steps(target, drafter, prompt):
   """(row tokens, prompt length, committed tokens per verify step) of a T = 0 decode
-  verifying every draft."""
+  verifying every draft (once per prompt: the mutation check reuses it)."""
   spec_drafter, dparams = DFlashDrafter.create(drafter)
   graphdef, params = nnx.split(target)
   engine = SpeculativeEngine(graphdef, drafter=spec_drafter)
@@ -72,7 +77,7 @@ def _agreement(target, tokenizer, drafter):
   same = total = decode_committed = 0
   hits, valids, walk_steps, walk_committed = [], [], 0, 0
   for text in PROMPTS:
-    row, p, committed = _decode_steps(target, drafter, tokenizer.encode(text))
+    row, p, committed = _decode_steps(target, drafter, tuple(tokenizer.encode(text)))
     mask = np.zeros(len(row), bool)
     mask[p:] = True
     all_anchors = slot_acceptance.decode_anchors(mask)
@@ -115,3 +120,42 @@ def test_teacher_forced_acceptance_matches_decode(demo, monkeypatch):
   mutated_same, mutated_total, _, _ = _agreement(target, tokenizer, drafter)
   slot_acceptance.anchor_drafts.clear_cache()
   assert mutated_same < 0.97 * mutated_total, (mutated_same, mutated_total)
+
+
+def _eval_drafter(*args):
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, 'scripts', 'eval_drafter.py'),
+                         '--kind=dflash2', f'--path={os.path.join(REPO_ROOT, "demo", "dflash2")}',
+                         f'--target={os.path.join(REPO_ROOT, "demo", "target")}', *args],
+                        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+
+
+def test_eval_drafter_cli_writes_the_table_and_refuses_bad_input(tmp_path):
+  """The script evaluates the held-out rows of a distilled set and writes its JSON; a
+  missing drafter, a non-dspec --out or a wrong --kind is one error line."""
+  data = tmp_path / 'distilled'
+  data.mkdir()
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(2, 8000, size=(40, 48)).astype(np.int32)
+  mask = np.zeros(tokens.shape, bool)
+  mask[:, 16:] = True
+  np.savez(data / 'shard_00000.npz', tokens=tokens, loss_mask=mask,
+           lengths=np.full(40, 48, np.int32))
+  (data / 'manifest.json').write_text(json.dumps({'shards': ['shard_00000.npz']}))
+  out = tmp_path / 'eval.json'
+  done = _eval_drafter(f'--data={data}', f'--out={out}')
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert 'walk tau' in done.stdout
+  table = json.loads(out.read_text())
+  assert table['kind'] == 'dflash2' and table['num_slots'] == 15 and table['rows'] == 1
+  # anchors 15..46: the last prompt token and every written token but the last
+  assert table['num_anchors'] == 48 - 16 and len(table['conditional']) == 15
+  assert 1.0 <= table['tau'] <= 16.0
+
+  other = tmp_path / 'notes.json'
+  other.write_text('{"mine": 1}')
+  for args, words in [([f'--data={data}', f'--out={other}'], 'not written by eval_drafter'),
+                      ([f'--data={data}', '--path=/nonexistent/x'], 'no such directory')]:
+    done = _eval_drafter(*args)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
+        'error: ') and words in done.stderr, done.stderr[-2000:]
+  assert other.read_text() == '{"mine": 1}'

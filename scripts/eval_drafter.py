@@ -1,0 +1,125 @@
+"""Held-out teacher-forced per-slot acceptance and τ estimates of a learned drafter.
+
+  python scripts/eval_drafter.py --kind=dflash2 --path=demo/dflash2 \
+      [--target=demo/target] [--data=runs/distill_demo8k] [--rows=64] \
+      [--out=runs/eval/dflash2.json] [--force]
+
+--kind is dflash, dflash2, dspark, eagle3 or mtp; --path a checkpoint of that family
+(dspec or a published form dspec reads). The rows are the held-out rows of the training
+split (`distill.split_distilled` with the drafter configs' width and held-out fraction:
+spread over the whole distillation, so over its code and GSM8K prompts), at most --rows
+of them. At every decode anchor of a row the drafter drafts its K slots as it does at
+T = 0 (`dspec.training.slot_acceptance`); the table gives per slot p(hit | earlier slots
+hit), p(slots 1..k hit) and p(hit), then two τ estimates at fixed verification of the K
+drafts: `tau`, 1 + E[accepted drafts] over all anchors alike, and `walk tau`, the tokens
+per step a T = 0 decode of the rows' prompts commits (what decoding measures). --out
+writes the table as JSON (atomically); an existing file not written by this script is
+kept unless --force. Bad input prints one `error: ...` line and exits with status 1.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from dspec import cli, console  # noqa: E402
+from dspec.errors import UserError  # noqa: E402
+
+KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
+WIDTH = 320               # configs/common.py drafter_training: seq_len
+HELDOUT_FRACTION = 0.03   # ... and data.heldout_fraction
+FORMAT = 'dspec eval_drafter'
+
+_KIND = flags.DEFINE_enum('kind', None, list(KINDS), 'Drafter family.', required=True)
+_PATH = flags.DEFINE_string('path', None, 'Drafter checkpoint.', required=True)
+_TARGET = flags.DEFINE_string('target', 'demo/target', 'The target (dspec checkpoint or '
+                              'Hugging Face directory).')
+_DATA = flags.DEFINE_string('data', 'runs/distill_demo8k', 'Distilled dataset '
+                            '(scripts/distill.py) whose held-out rows are evaluated.')
+_ROWS = flags.DEFINE_integer('rows', 64, 'Most held-out rows to evaluate.')
+_OUT = flags.DEFINE_string('out', '', 'JSON file to write (optional).')
+_FORCE = flags.DEFINE_boolean('force', False, 'Replace an --out file not written by '
+                              'eval_drafter.')
+
+
+def _check_out(out: str) -> None:
+  """UserError unless `out` may be (re)written."""
+  if not out or not os.path.exists(out) or _FORCE.value:
+    return
+  if os.path.isdir(out):
+    raise UserError(f'--out={out} is a directory')
+  try:
+    with open(out) as f:
+      ours = json.load(f).get('format') == FORMAT
+  except (OSError, ValueError, AttributeError):
+    ours = False
+  if not ours:
+    raise UserError(f'--out={out} exists and was not written by eval_drafter (pass --force '
+                    'to replace it)')
+
+
+def _load(kind: str, path: str, target):
+  from dspec.models.formats.dflash import load_dflash
+  from dspec.models.formats.dspark import load_dspark
+  from dspec.models.formats.eagle3 import load_eagle3
+  from dspec.models.formats.mtp import load_mtp
+  from dspec.training.slot_acceptance import kind_of
+  layers = target.cfg.num_layers
+  loaders = {'dflash': lambda: load_dflash(path, num_target_layers=layers),
+             'dflash2': lambda: load_dflash(path, num_target_layers=layers),
+             'dspark': lambda: load_dspark(path, num_target_layers=layers),
+             'eagle3': lambda: load_eagle3(path, target_cfg=target.cfg),
+             'mtp': lambda: load_mtp(path, target_cfg=target.cfg)}
+  drafter = loaders[kind]()
+  if kind_of(drafter) != kind:
+    raise UserError(f'--path={path} holds a {kind_of(drafter)} drafter, not {kind} '
+                    f'(pass --kind={kind_of(drafter)})')
+  return drafter
+
+
+def main(argv):
+  del argv
+  console.configure()
+  from dspec import checkpoint, files, loading
+  from dspec.training import slot_acceptance
+  from dspec.training.distill import load_distilled, split_distilled
+  from configs import common
+
+  if _ROWS.value < 1:
+    raise UserError(f'--rows must be >= 1, got {_ROWS.value}')
+  _check_out(_OUT.value)
+  if not os.path.isdir(_PATH.value):
+    raise UserError(f'--path={_PATH.value}: no such directory')
+  model_cfg = common.model_config('demo')
+  model_cfg.source = loading.target_source(_TARGET.value)
+  model_cfg.path = _TARGET.value
+  target, _, _ = loading.build_target(model_cfg)
+  drafter = _load(_KIND.value, _PATH.value, target)
+  mismatch = checkpoint.check_target_record(_PATH.value, target)
+  if mismatch:
+    print(f'warning: {mismatch}', file=sys.stderr, flush=True)
+  rows = split_distilled(load_distilled(_DATA.value), WIDTH, HELDOUT_FRACTION, _ROWS.value,
+                         _DATA.value)
+  table = slot_acceptance.slot_table(drafter, target, rows.held_tokens, rows.held_mask)
+
+  print(f'{_KIND.value} {_PATH.value}: {len(rows.held_tokens)} held-out rows of '
+        f'{_DATA.value}, {table.num_anchors} anchors, K = {table.num_slots}')
+  print(f'{"slot":>4} {"p(hit|prev)":>11} {"p(1..k)":>8} {"p(hit)":>7} {"reached":>8}')
+  for k in range(table.num_slots):
+    print(f'{k + 1:>4} {table.conditional[k]:>11.3f} {table.start_hit[k]:>8.3f} '
+          f'{table.marginal[k]:>7.3f} {int(table.reached_K[k]):>8}')
+  print(f'tau (all anchors) = {table.tau:.3f}   walk tau (decode of the rows) = '
+        f'{table.walk_tau:.3f} over {table.walk_steps} steps')
+  if _OUT.value:
+    files.write_json_atomic(_OUT.value, {
+        'format': FORMAT, 'kind': _KIND.value, 'path': _PATH.value,
+        'target': _TARGET.value, 'data': _DATA.value, 'rows': len(rows.held_tokens),
+        **table.to_dict()})
+    print(f'wrote {_OUT.value}')
+
+
+if __name__ == '__main__':
+  cli.run(main)
