@@ -258,7 +258,7 @@ def main(argv):
              **{k: acceptance_metrics(state.stats)[k]
                 for k in ('tau', 'verified_per_committed')},
              'lossless': generated_ids(state) == ar_ids if spec.greedy else None}
-      if isinstance(e, VerifyLengthController):
+      if e.adaptive:
         row['tier_usage'] = {str(g): round(f, 3) for g, f in e.tier_usage().items()}
         row['step_costs_ms'] = {str(g): round(1e3 * e.costs[b, g], 3) for g in e.tiers}
       block.append(row)

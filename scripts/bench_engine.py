@@ -169,7 +169,7 @@ def main(argv):
   from dspec.decoding.drafters.oracle import OracleDrafter
   from dspec.decoding.drafters.suffix import SuffixDrafter
   from dspec.decoding.engine import SpeculativeEngine
-  from dspec.decoding.host_loop import generate_host_loop
+  from dspec.decoding import runner
   from dspec.metrics import acceptance_metrics
 
   cfg = common.decode_config(_PRESET.value if not _CHECKPOINT.value else 'tiny')
@@ -188,11 +188,9 @@ def main(argv):
   stop_ids = tuple(tokenizer.stop_ids) if _CHECKPOINT.value else ()
 
   def run(engine, dparams=None, host_factory=None):
-    def go():
-      st = engine.prefill(params, dparams, prompt, lens, max_new_tokens=n)
-      if host_factory is None:
-        return engine.generate(params, dparams, st)
-      return generate_host_loop(engine, params, dparams, st, host_factory())
+    settings = runner.Settings(max_new_tokens=n)
+    go = lambda: runner.run_generation(engine, params, dparams, prompt, lens, settings,
+                                       host_factory)[0]
     state = go()
     t = median_time(go, repeats=_REPEATS.value, warmup=0)
     return state, t

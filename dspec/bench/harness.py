@@ -77,7 +77,6 @@ from dspec.bench import draft_cost, hf_peer, report, sol
 from dspec.errors import UserError
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
-from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import ARFallback
@@ -216,7 +215,7 @@ def run_batches(runs: Sequence[tuple], target_params, batches: list,
     engine, fallback = engines.engine, engines.fallback
     result = RunResult(engine.num_draft, engine.drafter.samples_proposals,
                        engines.verify_length)
-    if isinstance(engine, VerifyLengthController) or fallback is not None:
+    if engine.adaptive or fallback is not None:
       result.tier_steps = {}
     if fallback is not None:
       host_factory = _counting(host_factory, fallback)
@@ -242,7 +241,7 @@ def _record(result: RunResult, engines: Engines, timed: dict, rows: int) -> None
   result.outputs += generated_ids(state)[:rows]
   result.stats.append({f: np.asarray(getattr(state.stats, f))[:rows] for f in _STAT_FIELDS})
   result.compile_s += timed['compile_s']
-  if isinstance(engine, VerifyLengthController):
+  if engine.adaptive:
     result.add_tier_steps(engine.tier_steps())
   elif fallback is not None:
     ar_steps = fallback.steps()

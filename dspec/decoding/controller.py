@@ -32,51 +32,38 @@ gets λ(B) = `CostTable.verify_cost`, the marginal cost of one more verified dra
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from dspec.decoding import costs as costs_lib
 from dspec.decoding.costs import CostTable
 from dspec.decoding.drafter import NoDrafter, TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.estimate import AcceptanceEstimate, retrospective_match, shadow_match
+from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, shadow_match,
+                                     shadow_proposal)
 from dspec.decoding.policy import ControllerConfig, PolicyState, decide
+from dspec.decoding.sharded import ShardedEngine
+from dspec.decoding.tiers import same_drafter_state, tier_drafter
 from dspec.sampling import SamplingSpec
-
-
-def tier_drafter(drafter, gamma: int):
-  """`drafter` proposing `gamma` tokens: its proposal truncated (tier 0, and drafters that
-  draft a whole block in one pass), else `with_num_draft`; None when it cannot."""
-  if gamma == 0 or (drafter.truncate_for_tiers and gamma <= drafter.num_draft):
-    return TruncatedDrafter(drafter, gamma)
-  try:
-    return drafter.with_num_draft(gamma)
-  except ValueError:
-    return None
-
-
-def _shadow_fn(engine: SpeculativeEngine, target_params, drafter_params, state):
-  """What the largest tier would propose now, ((tokens [B, G], count [B], start [B]),
-  the drafter state synced for it: the next steps record from there)."""
-  target = nnx.merge(engine.target_graphdef, target_params)
-  ctx = engine.context(state)
-  dstate = engine.drafter.sync(drafter_params, state.drafter_state, target, ctx)
-  p = engine.drafter.propose(drafter_params, dstate, target, ctx, jax.random.key(0))
-  return (p.tokens_BG, p.num_proposed_B, state.num_tokens_B), dstate
 
 
 class VerifyLengthController:
   """Drop-in for a SpeculativeEngine in `runner.run_generation`: `prefill` then
-  `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s)."""
+  `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s).
+  With a mesh `placement` every tier's engine is a `ShardedEngine`."""
+
+  adaptive = True   # the engine protocol: picks its verify length (`tier_steps`)
 
   def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
-               cost_table: Optional[CostTable] = None, trace: bool = False):
+               cost_table: Optional[CostTable] = None, trace: bool = False,
+               placement=None):
     self.config = config
+    self.placement = placement
     self.drafter = drafter
     self.costs = cost_table or CostTable()
     tiers = {}
@@ -88,8 +75,12 @@ class VerifyLengthController:
       raise ValueError(f'controller: drafter {type(drafter).__name__} supports too few of '
                        f'the tiers {config.tiers} (need 0 and one positive tier)')
     self.max_gamma = max(tiers)
-    self._make = lambda d: SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
-                                             stop_ids=stop_ids, trace=trace)
+    def make(d):
+      engine = SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
+                                 stop_ids=stop_ids, trace=trace)
+      return ShardedEngine(engine, placement) if placement else engine
+
+    self._make = make
     self._set_engines({g: self._make(d) for g, d in tiers.items()})
     self.last_trace = []
     self.row0_tiers = []    # the tier of each of row 0's verify steps (last `generate`)
@@ -101,10 +92,27 @@ class VerifyLengthController:
     """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
     proposal of the largest tier."""
     self.engines = engines
-    self._shadow = jax.jit(functools.partial(_shadow_fn, engines[self.max_gamma]))
+    shadow = jax.jit(functools.partial(shadow_proposal, engines[self.max_gamma]))
+    self._shadow = self._on_mesh(shadow)
     # No tier can pay at this batch size: plain AR steps, no taps and no drafter update
     # (nothing will be proposed for the rest of the generation).
-    self._plain_ar = engines[0].with_drafter(NoDrafter())
+    self._plain_ar = self._make(NoDrafter())
+
+  def _on_mesh(self, fn):
+    """`fn` called under the placement's mesh (kernels see it while tracing)."""
+    if self.placement is None:
+      return fn
+
+    def on_mesh(*args):
+      with self.placement.context():
+        return fn(*args)
+    return on_mesh
+
+  def _put(self, x):
+    """A host array on device (replicated over the mesh, if any)."""
+    if self.placement is None:
+      return jax.device_put(x)
+    return jax.device_put(x, self.placement.shardings(jax.sharding.PartitionSpec()))
 
   @property
   def tiers(self) -> Tuple[int, ...]:
@@ -136,7 +144,7 @@ class VerifyLengthController:
     ref = self.engines[self.max_gamma].drafter
     engines = dict(self.engines)
     for g, engine in self.engines.items():
-      if g not in (0, self.max_gamma) and not _same_state(
+      if g not in (0, self.max_gamma) and not same_drafter_state(
           engine, target_params, drafter_params, prompt_shape, state):
         engines[g] = self._make(TruncatedDrafter(ref, g))
     engines[0] = self._make(TruncatedDrafter(ref, 0))
@@ -172,6 +180,26 @@ class VerifyLengthController:
     self.costs.meta.update(buffer_len=int(state.tokens_BL.shape[1]))
     return self.costs
 
+  def _profile_or_load(self, target_params, drafter_params, state) -> None:
+    """The table from the cache beside the XLA cache (`costs.cached_path`) when this
+    model, drafter, shape and device were profiled before, else `profile` (and cached)."""
+    path = costs_lib.cached_path(
+        (self.drafter, self.tiers, self.sampling, self.config.profile_steps,
+         self.config.profile_repeats, self.placement and dict(self.placement.mesh.shape)),
+        (target_params, drafter_params, state))
+    if path and os.path.exists(path):
+      try:
+        self.costs.update(CostTable.load(path))
+      except ValueError:   # a damaged cache entry: profiled again below, and rewritten
+        pass
+    b = state.tokens_BL.shape[0]
+    if not self.costs.has(b, self.tiers):
+      self.profile(target_params, drafter_params, state)
+      if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        CostTable({k: c for k, c in self.costs.costs.items() if k[0] == b},
+                  {b: self.costs.propose[b]}, self.costs.meta).save(path)
+
   # --------------------------------------------------------------------- decoding
 
   def generate(self, target_params, drafter_params, state):
@@ -180,7 +208,7 @@ class VerifyLengthController:
     against what the chunk commits (before it, or in retrospect after it)."""
     b = state.tokens_BL.shape[0]
     if not self.costs.has(b, self.tiers):
-      self.profile(target_params, drafter_params, state)
+      self._profile_or_load(target_params, drafter_params, state)
     # Load-aware verify lengths (DSpark): λ(B) of the table; a no-op for other drafters.
     state = state.replace(drafter_state=self.drafter.set_verify_cost(
         state.drafter_state, self.costs.verify_cost(b, self.tiers)))
@@ -210,10 +238,12 @@ class VerifyLengthController:
       if shadow_now:
         proposed, synced = self._shadow(target_params, drafter_params, state)
         state = state.replace(drafter_state=synced)
+        if self.placement is not None:   # as the tiers' programs expect it
+          state = self.placement.put_state(state)
       engine = self._plain_ar if decision.plain_ar else self.engines[g]
       state = engine.run(target_params, drafter_params, state, decision.chunk)
       if shadow_now:
-        matched = shadow_match(state.tokens_BL, state.num_tokens_B, *proposed)
+        matched = self._on_mesh(shadow_match)(state.tokens_BL, state.num_tokens_B, *proposed)
       new_hist, reached, done, num, matched, steps_B = jax.device_get((
           state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
           state.num_tokens_B, matched, state.stats.steps_B))
@@ -237,12 +267,12 @@ class VerifyLengthController:
     return state
 
   def _judge_in_retrospect(self, state, since_B: np.ndarray, num_B: np.ndarray):
-    """Host copies of `_retrospective_match` over the lengths since `since_B`, at most the
+    """Host copies of `retrospective_match` over the lengths since `since_B`, at most the
     last `max_steps_per_decision` before `num_B` (host copies of the state's counts)."""
     width = self.config.max_steps_per_decision
-    return jax.device_get(retrospective_match(
-        self.drafter, width, state.tokens_BL, jax.device_put(np.maximum(since_B, num_B - width)),
-        state.num_tokens_B))
+    judge = self._on_mesh(functools.partial(retrospective_match, self.drafter, width))
+    return jax.device_get(judge(state.tokens_BL, self._put(np.maximum(since_B, num_B - width)),
+                                state.num_tokens_B))
 
   def tier_steps(self) -> dict:
     """{tier: verify steps summed over rows} of the last `generate`."""
@@ -253,24 +283,5 @@ class VerifyLengthController:
 
   def tier_usage(self) -> dict:
     """{tier: fraction of row-steps} of the last `generate`."""
-    total = sum(n for _, n, _ in self.last_trace) or 1
-    out = {}
-    for g, n, _ in self.last_trace:
-      out[g] = out.get(g, 0.0) + n / total
-    return out
-
-
-def _same_state(engine, target_params, drafter_params, prompt_shape, state) -> bool:
-  """Whether `engine`'s drafter keeps a state of the same structure and shapes."""
-  prompt_BP = jax.ShapeDtypeStruct(prompt_shape, jnp.int32)
-  lens_B = jax.ShapeDtypeStruct(state.num_tokens_B.shape, jnp.int32)
-  try:
-    out = jax.eval_shape(
-        lambda p, l: engine.prefill_fn(target_params, drafter_params, p, l, 0.0, 1.0, 1, 0,
-                                       buffer_len=state.tokens_BL.shape[1]),
-        prompt_BP, lens_B)
-  except (ValueError, TypeError):
-    return False
-  shapes = lambda t: [(x.shape, x.dtype) for x in jax.tree.leaves(t)]
-  return (jax.tree.structure(out.drafter_state) == jax.tree.structure(state.drafter_state)
-          and shapes(out.drafter_state) == shapes(state.drafter_state))
+    steps = self.tier_steps()
+    return {g: n / (sum(steps.values()) or 1) for g, n in steps.items()}

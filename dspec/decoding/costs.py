@@ -1,13 +1,43 @@
-"""The controller's step-cost table: seconds per engine step for each (batch size, tier)."""
+"""The controller's step-cost table: seconds per engine step for each (batch size, tier).
+
+Profiled tables are cached beside the persistent XLA cache (`cached_path`: a
+`controller_costs/` folder in `jax_compilation_cache_dir`, none when that cache is off), so
+a second run of the same job on the same machine neither compiles nor profiles.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from typing import Dict, Optional, Tuple
 
+import jax
 import numpy as np
 
 from dspec import files
+
+CACHE_SUBDIR = 'controller_costs'
+
+
+def cache_dir() -> Optional[str]:
+  """Where profiled tables are cached: beside the persistent XLA cache, or None (off)."""
+  xla_dir = jax.config.jax_compilation_cache_dir
+  return os.path.join(xla_dir, CACHE_SUBDIR) if xla_dir else None
+
+
+def cached_path(setup, arrays) -> Optional[str]:
+  """The cache file of a table measured for `setup` (reprs of drafter, tiers, sampling,
+  mesh, ...) and the shapes and dtypes of `arrays` (params, decode state) on this backend
+  and device kind, or None when caching is off."""
+  folder = cache_dir()
+  if folder is None:
+    return None
+  shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
+  fingerprint = [repr(setup), shapes, jax.default_backend(), jax.devices()[0].device_kind,
+                 jax.device_count(), jax.__version__]
+  digest = hashlib.sha256(json.dumps(fingerprint, default=str).encode())
+  return os.path.join(folder, digest.hexdigest()[:32] + '.json')
 
 
 class CostTable:
@@ -19,6 +49,12 @@ class CostTable:
     self.costs = dict(costs or {})
     self.propose = dict(propose or {})   # batch -> seconds of the largest tier's proposal
     self.meta = dict(meta or {})
+
+  def update(self, other: 'CostTable') -> None:
+    """Takes `other`'s entries (a cached table of the same fingerprint)."""
+    self.costs.update(other.costs)
+    self.propose.update(other.propose)
+    self.meta.update(other.meta)
 
   def has(self, batch: int, tiers) -> bool:
     return batch in self.propose and all((batch, g) in self.costs for g in tiers)

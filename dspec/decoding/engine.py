@@ -60,6 +60,13 @@ class SpeculativeEngine:
   sampling: SamplingSpec = SamplingSpec()
   stop_ids: Tuple[int, ...] = ()
   trace: bool = False
+  # The engine protocol's controller face (`VerifyLengthController` overrides both): a
+  # fixed engine verifies every proposal whole and reports no tiers.
+  adaptive = False
+  row0_tiers = None
+
+  def tier_steps(self) -> dict:
+    return {}
 
   def __hash__(self):
     cached = self.__dict__.get('_hash')

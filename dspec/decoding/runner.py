@@ -193,21 +193,24 @@ def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
 
 def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                        verify_length: str = 'auto', trace: bool = False,
-                       controller: ControllerConfig = ControllerConfig()):
+                       controller: ControllerConfig = ControllerConfig(),
+                       placement: Optional[sharding.Placement] = None):
   """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
   picks each chunk's verify length from `controller.tiers` (up to the drafter's num_draft;
-  tier 0 is plain AR); with 'fixed' (and for AR or host-side drafters, whose 'auto' is the
+  tier 0 is plain AR; with a mesh `placement` every tier's engine is sharded); with 'fixed'
+  (and for AR or host-side drafters, whose 'auto' is the
   host loop's AR fallback, `host_fallback`) every step verifies the whole proposal."""
   if verify_length not in VERIFY_LENGTHS:
     raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
   gamma = drafter.num_draft
   if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
-    return SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
-                             trace=trace)
+    engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
+                               trace=trace)
+    return ShardedEngine(engine, placement) if placement else engine
   tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
   return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
                                 config=dataclasses.replace(controller, tiers=tiers),
-                                trace=trace)
+                                trace=trace, placement=placement)
 
 
 def _transfer_guard(debug: bool):
@@ -227,7 +230,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
   the report gets `speedup` (AR decode time / this decode time; medians), `speedup_rounds`
   (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's).
-  verify_length, controller: see `speculative_engine` (a mesh `placement` runs 'fixed'). debug:
+  verify_length, controller, placement: see `speculative_engine`. debug:
   generation runs under `jax.transfer_guard('disallow')`, so an implicit host/device
   transfer is an error.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
@@ -244,12 +247,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
   if placement:
     drafter_params = placement.put_params(drafter_params)
-    engine = ShardedEngine(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec,
-                                             stop_ids=stop_ids, trace=trace), placement)
-  else:
-    engine = speculative_engine(graphdef, drafter, spec, stop_ids,
-                                verify_length=verify_length, trace=trace,
-                                controller=controller)
+  engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=verify_length,
+                              trace=trace, controller=controller, placement=placement)
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
@@ -273,12 +272,10 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
-      verify_length='auto' if isinstance(engine, VerifyLengthController) or fallback
-      else 'fixed')
-  tiers = None
-  if isinstance(engine, VerifyLengthController):
+      verify_length='auto' if engine.adaptive or fallback else 'fixed')
+  tiers = engine.row0_tiers
+  if engine.adaptive:
     metrics['tier_steps'] = engine.tier_steps()
-    tiers = engine.row0_tiers
   if ar is not None:
     ar_ids = generated_ids(ar['state'])[:len(rows)]
     metrics.update(ar_tokens_per_s=ar['tokens_per_s'], ar_decode_s=ar['decode_s'],

@@ -86,21 +86,22 @@ class ShardedEngine:
       return fn(target_params, drafter_params, state, proposal)
 
   def run(self, target_params, drafter_params, state, max_steps=None, *,
-          until_row_done: bool = False):
+          until_row_done: bool = False, force_wide: bool = False):
     def build():
       state_sh = self._state_sh(state)
       rep = self.placement.shardings(jax.sharding.PartitionSpec())
       fn = functools.partial(self.engine.run_fn, until_row_done=until_row_done)
       return jax.jit(fn, donate_argnums=2, in_shardings=(
-          _shardings_of(target_params), _shardings_of(drafter_params), state_sh, rep),
+          _shardings_of(target_params), _shardings_of(drafter_params), state_sh, rep, rep),
           out_shardings=state_sh)
 
     key = (until_row_done, jax.tree.structure(state),
            tuple(x.shape for x in jax.tree.leaves(state)))
     fn = self._jitted('run', key, build)
     limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps))
+    wide = jax.device_put(np.bool_(force_wide))   # traced, as the engine's: no recompile
     with self.placement.context():
-      state = fn(target_params, drafter_params, state, limit)
+      state = fn(target_params, drafter_params, state, limit, wide)
     return gather_outputs(state) if jax.process_count() > 1 else state
 
   def generate(self, target_params, drafter_params, state):

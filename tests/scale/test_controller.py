@@ -1,6 +1,10 @@
 """The verify-length controller: lossless at every tier, and it picks what pays."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,7 +14,8 @@ from flax import nnx
 
 from conftest import TINY, generate
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.decoding.controller import VerifyLengthController, tier_drafter
+from dspec.decoding.controller import VerifyLengthController
+from dspec.decoding.tiers import tier_drafter
 from dspec.decoding.costs import CostTable
 from dspec.decoding.estimate import AcceptanceEstimate, expected_tokens, retrospective_match
 from dspec.decoding.policy import ControllerConfig, choose
@@ -341,3 +346,39 @@ def test_tiers_resize_or_truncate():
     ControllerConfig(tiers=(3, 1))
   with pytest.raises(ValueError, match='objective'):
     ControllerConfig(objective='fast')
+
+
+def test_controller_on_a_mesh_equals_ar():
+  """`verify_length=auto` with a `data=2,tensor=2` placement (4 simulated CPU devices, in a
+  subprocess: `controller_mesh_check.py`): the decode job is lossless against AR, and on a
+  table where verifying is cheap the controller runs positive tiers sharded, token for
+  token equal to AR."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  proc = subprocess.run([sys.executable, os.path.join(here, 'controller_mesh_check.py')],
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  line = next((l for l in proc.stdout.splitlines() if l.startswith('RESULT ')), None)
+  assert proc.returncode == 0 and line, proc.stderr[-4000:]
+  result = json.loads(line[len('RESULT '):])
+  assert result['devices'] == 4 and result['verify_length'] == 'auto'
+  assert result['lossless'] is True and result['cheap_equal'] is True
+  assert any(int(g) > 0 for g in result['cheap_tier_steps']), result
+
+
+def test_profiled_costs_are_cached_beside_the_xla_cache(tiny_split, ar, tmp_path,
+                                                        monkeypatch):
+  """A second controller for the same model, drafter, shapes and device loads the table
+  its predecessor profiled (`controller_costs/` in the XLA cache) instead of profiling;
+  with the XLA cache off nothing is cached."""
+  from dspec.decoding import costs as costs_lib
+  monkeypatch.setattr(costs_lib, 'cache_dir', lambda: str(tmp_path))
+  cfg = ControllerConfig(tiers=TIERS, profile_steps=1, profile_repeats=1)
+  first = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
+  assert _decode(first, tiny_split[1], None)[0] == ar[0]
+  assert len(list(tmp_path.iterdir())) == 1
+  second = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
+  monkeypatch.setattr(second, 'profile', lambda *a: pytest.fail('profiled again'))
+  assert _decode(second, tiny_split[1], None)[0] == ar[0]
+  assert second.costs.costs == first.costs.costs
+  monkeypatch.setattr(costs_lib, 'cache_dir', lambda: None)
+  assert costs_lib.cached_path('setup', []) is None
