@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -34,7 +35,8 @@ def cached_path(setup, arrays) -> Optional[str]:
   if folder is None:
     return None
   shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
-  fingerprint = [repr(setup), shapes, jax.default_backend(), jax.devices()[0].device_kind,
+  # Reprs name functions by address (`<function f at 0x7f..>`): stable without it.
+  fingerprint = [re.sub(r' at 0x[0-9a-f]+', '', repr(setup)), shapes, jax.default_backend(), jax.devices()[0].device_kind,
                  jax.device_count(), jax.__version__]
   digest = hashlib.sha256(json.dumps(fingerprint, default=str).encode())
   return os.path.join(folder, digest.hexdigest()[:32] + '.json')
