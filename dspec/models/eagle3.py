@@ -195,10 +195,12 @@ class Eagle3Model(DraftVocab, nnx.Module):
     """What an entry hands to the next chained entry."""
     return self.norm(x_BTD) if self.cfg.norm_output else x_BTD
 
-  def ttt_logits(self, target, g_BTD, tokens_BS, steps: int):
+  def ttt_logits(self, target, g_BTD, tokens_BS, steps: int, own_drafts: bool = False):
     """Training-time test: logits [B, T, V'] of each of `steps` steps. tokens_BS holds
     x_0.. (S >= T); step s at index t reads x_{t+1+s} (0 past the end) and predicts
-    x_{t+2+s}. Indices whose inputs run past the data are the caller's to mask."""
+    x_{t+2+s}. Indices whose inputs run past the data are the caller's to mask. With
+    `own_drafts`, step s >= 1 reads step s−1's argmax at its index instead: index t then
+    is the T = 0 decode chain from the committed tokens x_0..x_{t+1}."""
     b, t, _ = g_BTD.shape
     pos_T = jnp.arange(t, dtype=jnp.int32)
     causal_BTT = jnp.broadcast_to(pos_T[None, :] <= pos_T[:, None], (b, t, t))
@@ -206,8 +208,11 @@ class Eagle3Model(DraftVocab, nnx.Module):
     later = [[] for _ in self.layers]     # per layer: steps 1..s's (k, v), on the diagonal
     out, g = [], g_BTD
     for s in range(steps):
-      tokens_BT = tokens_BS[:, 1 + s:1 + s + t]
-      tokens_BT = jnp.pad(tokens_BT, ((0, 0), (0, t - tokens_BT.shape[1])))
+      if own_drafts and s:
+        tokens_BT = self.token_ids(jnp.argmax(out[-1], axis=-1))
+      else:
+        tokens_BT = tokens_BS[:, 1 + s:1 + s + t]
+        tokens_BT = jnp.pad(tokens_BT, ((0, 0), (0, t - tokens_BT.shape[1])))
 
       def kv_fn_of(i, s=s):
         def kv_fn(k_new, v_new):

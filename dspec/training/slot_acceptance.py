@@ -133,29 +133,34 @@ def _block_drafts(drafter, target, tokens_1S, anchors_1N):
   return drafter.token_ids(jnp.argmax(logits_NGV, axis=-1))[None]
 
 
-def _chain_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
-  """[1, N, K] drafts of EAGLE-3 / MTP: slot k is the model's step k at position a−1 on
-  the row with tokens a+1..a+k−1 replaced by the drafts d_1..d_{k−1}, which is what the
-  decode chain computes from the committed tokens 0..a (the replaced tokens lie after
-  every position the committed entries read)."""
+def _eagle3_drafts(drafter: Eagle3Model, target, tokens_1S, anchors_1N, num_draft: int):
+  """[1, N, K] drafts of EAGLE-3: one training-time-test pass whose steps read the
+  previous step's drafts (steps >= 1 attend only to their own index, so every anchor's
+  chain runs at once); slot k at anchor a is step k−1 at index a−1."""
+  out = target(tokens_1S, taps=drafter.cfg.target_layer_ids, compute_logits=False)
+  logits = drafter.ttt_logits(target, drafter.fuse(out.taps_BTND, target), tokens_1S,
+                              num_draft, own_drafts=True)
+  at_1N = anchors_1N - 1
+  return jnp.stack([jnp.take_along_axis(drafter.token_ids(jnp.argmax(l, axis=-1)), at_1N,
+                                        axis=1) for l in logits], axis=-1)
+
+
+def _mtp_drafts(drafter: MTP, target, tokens_1S, anchors_1N, num_draft: int):
+  """[1, N, K] drafts of MTP: slot k is depth k at position a−1 on the row with tokens
+  a+1..a+k−1 replaced by the drafts d_1..d_{k−1}, which is what the decode chain computes
+  from the committed tokens 0..a (`MTPDrafter.draft`). Depth k's window reads drafts at
+  several positions, so each anchor gets its own copy of the row."""
   s = tokens_1S.shape[1]
   n = anchors_1N.shape[1]
   rows_N = jnp.arange(n)
   anchors_N = anchors_1N[0]
   tokens_NS = jnp.broadcast_to(tokens_1S, (n, s))
-  if isinstance(drafter, Eagle3Model):
-    out = target(tokens_1S, taps=drafter.cfg.target_layer_ids, compute_logits=False)
-    g_1SD = drafter.fuse(out.taps_BTND, target)
-    g_NSD = jnp.broadcast_to(g_1SD, (n,) + g_1SD.shape[1:])
-    logits_of = lambda toks, k: drafter.ttt_logits(target, g_NSD, toks, k)[k - 1]
-  else:
-    out = target(tokens_1S, taps=drafter.cfg.taps(target.cfg))
-    h0_1SD = drafter.h0(out)
-    h0_NSD = jnp.broadcast_to(h0_1SD, (n,) + h0_1SD.shape[1:])
-    logits_of = lambda toks, k: drafter.logits(target, k, drafter(target, h0_NSD, toks, k)[-1])
+  h0_1SD = drafter.h0(target(tokens_1S, taps=drafter.cfg.taps(target.cfg)))
+  h0_NSD = jnp.broadcast_to(h0_1SD, (n,) + h0_1SD.shape[1:])
   drafts = []
   for k in range(1, num_draft + 1):
-    logits_NV = logits_of(tokens_NS, k)[rows_N, anchors_N - 1]
+    hidden_NSD = drafter(target, h0_NSD, tokens_NS, k)[-1]
+    logits_NV = drafter.logits(target, k, hidden_NSD[rows_N, anchors_N - 1][:, None])[:, 0]
     draft_N = drafter.token_ids(jnp.argmax(logits_NV, axis=-1))
     drafts.append(draft_N)
     tokens_NS = tokens_NS.at[rows_N, anchors_N + k].set(draft_N, mode='drop')
@@ -166,8 +171,10 @@ def _chain_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
 def anchor_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
   """The T = 0 drafts [1, N, K] at anchors [1, N] of one row (anchors >= 1; K =
   `num_slots(drafter)`)."""
-  if isinstance(drafter, (Eagle3Model, MTP)):
-    return _chain_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
+  if isinstance(drafter, Eagle3Model):
+    return _eagle3_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
+  if isinstance(drafter, MTP):
+    return _mtp_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
   return _block_drafts(drafter, target, tokens_1S, anchors_1N)
 
 
