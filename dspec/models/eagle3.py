@@ -13,9 +13,11 @@ layer's q/k/v read the 2H concatenation; with `norm_before_residual` the residua
 hidden_norm(g). `norm_before_fc` applies one RMSNorm over the concatenated taps,
 `fc_norm` one per tap (speculators' options, mutually exclusive).
 
-The embedding is the target's (never copied); the head is the drafter's own, over a
-reduced draft vocabulary `draft_vocab` (target ids, sorted; () = the full vocabulary),
-initialised from the target's head rows. speculators' d2t / t2d maps are derived from it.
+The embedding is the target's (never copied) unless `own_embedding` (speculators'
+`embed_requires_grad`: a trained embedding the checkpoint carries); the head is the
+drafter's own, over a reduced draft vocabulary `draft_vocab` (target ids, sorted; () = the
+full vocabulary), initialised from the target's head rows. speculators' d2t / t2d maps are
+derived from it.
 
 Training-time test (`ttt_logits`, speculators' `Eagle3DraftModel.forward` semantics): step
 s at index t reads token x_{t+1+s} and hidden = step s-1's output at t (step 0: the fused
@@ -57,6 +59,8 @@ class Eagle3Config(DictConfig):
   final_tap_normed: a tap of the target's last layer reads its post-final-norm hidden
     (HF's hidden_states[L], which speculators' aux id L names).
   ttt_steps: the draft length it was trained for (the drafter's num_draft 0).
+  own_embedding: the drafter embeds tokens with its own `embed_tokens` [V, H] instead of
+    the target's.
   """
 
   target_layer_ids: Tuple[int, ...]
@@ -68,6 +72,7 @@ class Eagle3Config(DictConfig):
   norm_output: bool = False
   final_tap_normed: bool = False
   ttt_steps: int = 3
+  own_embedding: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'target_layer_ids', tuple(int(i) for i in self.target_layer_ids))
@@ -137,6 +142,8 @@ class Eagle3Model(DraftVocab, nnx.Module):
     self.layer_cfg = dataclasses.replace(target_cfg, num_layers=cfg.num_layers)
     d, n, pdt = target_cfg.embed_dim, len(cfg.target_layer_ids), target_cfg.param_dtype
     eps = target_cfg.norm_eps
+    if cfg.own_embedding:
+      self.embed_tokens = nnx.Param(_INIT(rngs.params(), (target_cfg.vocab_size, d), pdt))
     if cfg.norm_before_fc:
       self.input_norm = RMSNorm(n * d, eps=eps, param_dtype=pdt)
     if cfg.fc_norm:
@@ -177,12 +184,18 @@ class Eagle3Model(DraftVocab, nnx.Module):
       x = self.input_norm(x)
     return self.fc(x)
 
+  def embed(self, target, tokens_BT):
+    """Token embeddings [B, T, H]: the drafter's own (`own_embedding`) or the target's."""
+    if not self.cfg.own_embedding:
+      return target.embed(tokens_BT)
+    return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(self.target_cfg.dtype)
+
   def block(self, target, g_BTD, tokens_BT, positions_BT,
             kv_fn_of: Callable[[int], Callable]):
     """Raw output x [B, T, H] of the layers; `kv_fn_of(i)` is layer i's kv_fn."""
     sin, cos = rope_tables(positions_BT, self.layer_cfg.head_dim, self.layer_cfg.rope_theta)
-    x = self.layers[0](target.embed(tokens_BT), g_BTD.astype(self.target_cfg.dtype), sin,
-                       cos, kv_fn_of(0))
+    x = self.layers[0](self.embed(target, tokens_BT), g_BTD.astype(self.target_cfg.dtype),
+                       sin, cos, kv_fn_of(0))
     for i, layer in enumerate(self.layers[1:], start=1):
       x = layer(x, sin, cos, kv_fn_of(i))
     return x

@@ -7,7 +7,9 @@ hidden-state indices `eagle_aux_hidden_state_layer_ids` (index i = the output of
 i-1; index L is the post-final-norm hidden; null = [2, L//2, L-3]); model.safetensors with
 `fc`, `layers.{i}.*` (layer 0 with `hidden_norm` and 2H-wide q/k/v), `norm`, `lm_head`
 [V', H] and the vocabulary maps `t2d` [V] bool / `d2t` [V'] (target id = index + d2t).
-`embed_tokens.weight` (the verifier's) is not read.
+With `embed_requires_grad` the drafter trained its own embedding: `embed_tokens.weight`
+[V, H] is required and drafting embeds with it; otherwise that tensor is the verifier's
+frozen copy and is not read (the target's embedding is used).
 
 Legacy form (SafeAILab EAGLE-3, SpecForge): a Llama config.json (`hidden_size`,
 `vocab_size` = the target's, `draft_vocab_size`, ...) and tensors named `midlayer.*` for
@@ -37,6 +39,7 @@ from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensor
 
 _IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight', 'verifier_norm.weight',
             't2d', 'd2t')
+_EMBED = 'embed_tokens.weight'
 _NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')
 
 
@@ -70,6 +73,8 @@ def _stored_name(param: str) -> tuple:
   """(speculators tensor name, transposed) of a dotted param path."""
   if param.endswith('.kernel'):
     return param[:-len('kernel')] + 'weight', True
+  if param == 'embed_tokens':
+    return _EMBED, False
   return param, False
 
 
@@ -78,7 +83,8 @@ def _build(path: str, cfg_fields: dict, shapes: TransformerConfig, tensors: dict
   """The model with every param read from `tensors` {stored name: file}; `rename` maps a
   stored name to speculators' name."""
   file = os.path.join(path, 'config.json')
-  by_name = {rename(name): (f, name) for name, f in tensors.items() if name not in _IGNORED}
+  ignored = set(_IGNORED) - ({_EMBED} if cfg_fields.get('own_embedding') else set())
+  by_name = {rename(name): (f, name) for name, f in tensors.items() if name not in ignored}
   fc = by_name.get('fc.weight')
   n_taps = len(cfg_fields['target_layer_ids'])
   if fc is not None:
@@ -141,6 +147,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
                 draft_vocab=_vocab(path, spec, tensors, vocab),
                 final_tap_normed=depth in aux,
                 ttt_steps=steps[0] if steps and isinstance(steps[0], int) else 3,
+                own_embedding=spec.get('embed_requires_grad', bool, False),
                 **{k: spec.get(k, bool, False) for k in _NORM_FLAGS})
   return _build(path, fields, shapes, tensors)
 
@@ -207,7 +214,7 @@ def speculators_config(model: Eagle3Model) -> dict:
   return dict(
       architectures=['Eagle3DraftModel'], speculators_model_type='eagle3',
       speculators_version='0.9.0', draft_vocab_size=model.draft_vocab_size,
-      eagle_aux_hidden_state_layer_ids=aux, embed_requires_grad=False,
+      eagle_aux_hidden_state_layer_ids=aux, embed_requires_grad=cfg.own_embedding,
       target_hidden_size=None, tie_word_embeddings=False, transformer_layer_config=layer,
       speculators_config=dict(
           algorithm='eagle3', default_proposal_method='greedy',
@@ -219,7 +226,8 @@ def speculators_config(model: Eagle3Model) -> dict:
 
 
 def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32') -> None:
-  """Writes config.json + model.safetensors in speculators form (t2d/d2t included)."""
+  """Writes config.json + model.safetensors in speculators form (t2d/d2t included, and
+  `embed_tokens.weight` when the drafter has its own embedding)."""
   config = speculators_config(model)
   tensors = stored_tensors(model, _stored_name, dtype)
   if model.cfg.draft_vocab:
