@@ -22,7 +22,11 @@ derived from it.
 Training-time test (`ttt_logits`, speculators' `Eagle3DraftModel.forward` semantics): step
 s at index t reads token x_{t+1+s} and hidden = step s-1's output at t (step 0: the fused
 taps at t), at position t+s; it attends to step-0 keys at indices <= t and to its own
-index's keys of steps 1..s. That is exactly the context of a chained draft entry.
+index's keys of steps 1..s. That is exactly the context of a chained draft entry. A
+'sliding_attention' layer (speculators' default for trained drafters) sees only the step-0
+keys at indices > t - W (`window_mask`), for every step of index t.
+
+Taps: a tap id -1 reads the target's embedding output (speculators' aux hidden state 0).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dspec.models.layers import (MLP, Attention, DecoderLayer, RMSNorm, attend,
 from dspec.models.transformer import final_normed_taps
 
 CHECKPOINT_KIND = 'eagle3'
+LAYER_TYPES = ('full_attention', 'sliding_attention')
 _INIT = nnx.initializers.normal(stddev=0.02)
 
 
@@ -55,12 +60,16 @@ def default_target_layer_ids(num_target_layers: int) -> Tuple[int, ...]:
 class Eagle3Config(DictConfig):
   """Static EAGLE-3 architecture (the layer shapes come from the drafter's target_cfg).
 
-  target_layer_ids: 0-based target layers whose residual outputs are fused, in fc order.
+  target_layer_ids: 0-based target layers whose residual outputs are fused, in fc order
+    (-1: the embedding output).
   final_tap_normed: a tap of the target's last layer reads its post-final-norm hidden
     (HF's hidden_states[L], which speculators' aux id L names).
   ttt_steps: the draft length it was trained for (the drafter's num_draft 0).
   own_embedding: the drafter embeds tokens with its own `embed_tokens` [V, H] instead of
     the target's.
+  layer_types: () (every draft layer full attention) or 'full_attention' /
+    'sliding_attention' per draft layer; sliding_window: W of the sliding layers (None:
+    they attend fully).
   """
 
   target_layer_ids: Tuple[int, ...]
@@ -73,10 +82,20 @@ class Eagle3Config(DictConfig):
   final_tap_normed: bool = False
   ttt_steps: int = 3
   own_embedding: bool = False
+  layer_types: Tuple[str, ...] = ()
+  sliding_window: Optional[int] = None
 
   def __post_init__(self):
     object.__setattr__(self, 'target_layer_ids', tuple(int(i) for i in self.target_layer_ids))
     object.__setattr__(self, 'draft_vocab', tuple(int(i) for i in self.draft_vocab))
+    object.__setattr__(self, 'layer_types', tuple(self.layer_types))
+    if self.layer_types and (len(self.layer_types) != self.num_layers or any(
+        t not in LAYER_TYPES for t in self.layer_types)):
+      raise ValueError(f'eagle3 layer_types must name one of {LAYER_TYPES} per layer '
+                       f'({self.num_layers}), got {list(self.layer_types)}')
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f'eagle3 sliding_window must be None or >= 1, got '
+                       f'{self.sliding_window}')
     if not self.target_layer_ids:
       raise ValueError('eagle3 target_layer_ids must not be empty')
     if self.num_layers < 1 or self.ttt_steps < 1:
@@ -91,7 +110,16 @@ class Eagle3Config(DictConfig):
     d = dataclasses.asdict(self)
     d['target_layer_ids'] = list(d['target_layer_ids'])
     d['draft_vocab'] = list(d['draft_vocab'])
+    d['layer_types'] = list(d['layer_types'])
     return d
+
+  def window_mask(self, i: int, q_index, kv_index):
+    """Whether draft layer i lets index `q_index` see the step-0 entry at `kv_index`
+    (broadcast; True everywhere for a full-attention layer)."""
+    if not self.layer_types or self.layer_types[i] != 'sliding_attention' or \
+        self.sliding_window is None:
+      return jnp.bool_(True)
+    return kv_index > q_index - self.sliding_window
 
 
 class Eagle3FirstLayer(nnx.Module):
@@ -131,7 +159,7 @@ class Eagle3Model(DraftVocab, nnx.Module):
   def __init__(self, cfg: Eagle3Config, target_cfg: TransformerConfig, *,
                rngs: nnx.Rngs):
     for i in cfg.target_layer_ids:
-      if not 0 <= i < target_cfg.num_layers:
+      if not -1 <= i < target_cfg.num_layers:
         raise ValueError(f'eagle3 tap layer {i} out of range for a '
                          f'{target_cfg.num_layers}-layer target')
     if cfg.draft_vocab and not 0 <= cfg.draft_vocab[0] <= cfg.draft_vocab[-1] < \
@@ -216,7 +244,9 @@ class Eagle3Model(DraftVocab, nnx.Module):
     is the T = 0 decode chain from the committed tokens x_0..x_{t+1}."""
     b, t, _ = g_BTD.shape
     pos_T = jnp.arange(t, dtype=jnp.int32)
-    causal_BTT = jnp.broadcast_to(pos_T[None, :] <= pos_T[:, None], (b, t, t))
+    causal_TT = pos_T[None, :] <= pos_T[:, None]
+    causal_BTT = [jnp.broadcast_to(causal_TT & self.cfg.window_mask(
+        i, pos_T[:, None], pos_T[None, :]), (b, t, t)) for i in range(len(self.layers))]
     first = [None for _ in self.layers]   # per layer: step 0's (k, v), attended causally
     later = [[] for _ in self.layers]     # per layer: steps 1..s's (k, v), on the diagonal
     out, g = [], g_BTD
@@ -231,9 +261,9 @@ class Eagle3Model(DraftVocab, nnx.Module):
         def kv_fn(k_new, v_new):
           if s == 0:
             first[i] = (k_new, v_new)
-            return k_new, v_new, causal_BTT
+            return k_new, v_new, causal_BTT[i]
           later[i].append((k_new, v_new))
-          return (*first[i], causal_BTT, (jnp.stack([k for k, _ in later[i]], axis=2),
+          return (*first[i], causal_BTT[i], (jnp.stack([k for k, _ in later[i]], axis=2),
                                           jnp.stack([v for _, v in later[i]], axis=2)))
         return kv_fn
 

@@ -18,7 +18,8 @@ class TargetOutput(NamedTuple):
   """What one target forward returns.
 
   taps_BTND stacks the residual-stream outputs (before the final norm) of the requested
-  layers along axis 2, in the order requested; hidden_BTD is the post-final-norm hidden.
+  layers along axis 2, in the order requested (layer -1: the embedding output, HF's
+  hidden_states[0]); hidden_BTD is the post-final-norm hidden.
   """
 
   logits_BTV: Optional[jnp.ndarray]
@@ -93,7 +94,7 @@ class Transformer(nnx.Module):
       mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
 
     x = self.embed(tokens_BT)
-    tapped = {}
+    tapped = {-1: x}
     for i, layer in enumerate(self.layers):
       if cache is None:
         kv_fn = lambda k, v: (k, v, mask_BTS)
@@ -106,7 +107,7 @@ class Transformer(nnx.Module):
       if i in taps:
         tapped[i] = x
     for i in taps:
-      if not 0 <= i < self.cfg.num_layers:
+      if not -1 <= i < self.cfg.num_layers:
         raise ValueError(f'tap layer {i} out of range for {self.cfg.num_layers} layers')
     taps_BTND = (jnp.stack([tapped[i] for i in taps], axis=2) if taps
                  else jnp.zeros((b, t, 0, self.cfg.embed_dim), x.dtype))

@@ -55,10 +55,13 @@ CONSISTENCY = [
     dict(),
     dict(num_layers=2, draft_vocab=(), norm_before_residual=True, fc_norm=True,
          norm_output=True),
+    # a sliding window shorter than the context, the embedding tapped, its own embedding
+    dict(num_layers=2, layer_types=('sliding_attention', 'full_attention'),
+         sliding_window=3, target_layer_ids=(-1, 1), own_embedding=True),
 ]
 
 
-@pytest.mark.parametrize('fields', CONSISTENCY, ids=['reduced_vocab', 'options'])
+@pytest.mark.parametrize('fields', CONSISTENCY, ids=['reduced_vocab', 'options', 'window'])
 def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
   """After prefill and catch-ups with varied acceptance (garbage verify taps at rejected
   slots), draft k's logits equal TTT step k-1 at index n-2 over the committed tokens
@@ -249,7 +252,7 @@ def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
   assert '\n' not in str(e.value)
   config['eagle_aux_hidden_state_layer_ids'] = [1, 2, 5]
   config_path.write_text(json.dumps(config))
-  with pytest.raises(ValueError, match=r'\[1, 2, 5\] .* \[1, 2\] of the 2-layer target'):
+  with pytest.raises(ValueError, match=r'\[1, 2, 5\] .* \[0, 2\] of the 2-layer target'):
     load_eagle3(str(tmp_path / 'spec'), target_cfg=TINY)
   save_eagle3(tmp_path / 'dspec', model)
   drafter, _ = Eagle3Drafter.create(load_eagle3(str(tmp_path / 'dspec')))

@@ -18,8 +18,8 @@ def _config(aux=(2, 1, 2), **changes) -> dict:
   """speculators' config of a TINY-target drafter; `changes` update its top level, and its
   layer config under the key 'layer'."""
   model = nnx.eval_shape(lambda: Eagle3Model(
-      Eagle3Config(target_layer_ids=tuple(a - 1 for a in aux) if min(aux) else (0,) * len(aux),
-                   final_tap_normed=True), TINY, rngs=nnx.Rngs(0)))
+      Eagle3Config(target_layer_ids=tuple(a - 1 for a in aux), final_tap_normed=True), TINY,
+      rngs=nnx.Rngs(0)))
   config = speculators_config(model)
   config['eagle_aux_hidden_state_layer_ids'] = list(aux)
   config['transformer_layer_config'].update(changes.pop('layer', {}))
@@ -27,9 +27,10 @@ def _config(aux=(2, 1, 2), **changes) -> dict:
   return config
 
 
-def _saved_reference(path, config: dict, seed: int = 0):
-  """speculators' Eagle3DraftModel of `config` with random weights (its own embedding
-  included), saved by `save_pretrained` into `path`; returns it (eager attention)."""
+def _saved_reference(path, config: dict, target, seed: int = 0):
+  """speculators' Eagle3DraftModel of `config` with random weights, saved by
+  `save_pretrained` into `path`; returns it (eager attention). Its embedding is random with
+  embed_requires_grad, else the target's (speculators' frozen verifier copy)."""
   import torch
   spec = speculators_module('models.eagle3')
   config = spec.Eagle3SpeculatorConfig(**config)
@@ -41,6 +42,8 @@ def _saved_reference(path, config: dict, seed: int = 0):
       noise = torch.randn(p.shape, generator=gen)
       p.copy_(1 + 0.1 * noise if name.endswith('norm.weight') else
               noise / p.shape[-1] ** 0.5 * (3.0 if 'down_proj' in name else 1.0))
+    if not config.embed_requires_grad:
+      ref.embed_tokens.weight.copy_(torch.tensor(np.asarray(target.embed_tokens[...])))
   ref.save_pretrained(str(path))
   return ref.eval()
 
@@ -75,12 +78,45 @@ def _assert_ttt_parity(target, ref, model, aux):
 def test_own_embedding_is_the_drafts_embedding(tiny_model, tmp_path):
   """embed_requires_grad: the checkpoint's trained embed_tokens (not the target's) embeds
   the draft tokens."""
-  ref = _saved_reference(tmp_path, _config(embed_requires_grad=True))
+  ref = _saved_reference(tmp_path, _config(embed_requires_grad=True), tiny_model)
   model = load_eagle3(str(tmp_path), target_cfg=TINY)
   assert model.cfg.own_embedding
   np.testing.assert_array_equal(np.asarray(model.embed_tokens[...]),
                                 ref.embed_tokens.weight.detach().numpy())
   _assert_ttt_parity(tiny_model, ref, model, (2, 1, 2))
+
+
+# speculators train's default draft: Llama layers, every one sliding (window 2048 there; a
+# window shorter than the test sequence here, so that it matters).
+SLIDING = dict(model_type='llama', sliding_window=4, use_sliding_window=True)
+
+
+@pytest.mark.parametrize('layers', [1, 2])
+def test_sliding_attention_layers_keep_their_window(tiny_model, tmp_path, layers):
+  types = ['sliding_attention'] + ['full_attention'] * (layers - 1)
+  config = _config(layer=dict(SLIDING, num_hidden_layers=layers, layer_types=types))
+  ref = _saved_reference(tmp_path, config, tiny_model)
+  model = load_eagle3(str(tmp_path), target_cfg=TINY)
+  assert model.cfg.layer_types == tuple(types) and model.cfg.sliding_window == 4
+  assert not model.layer_cfg.qk_norm
+  _assert_ttt_parity(tiny_model, ref, model, (2, 1, 2))
+
+
+def test_speculators_train_default_config_loads(tiny_model, tmp_path):
+  """The layer config `speculators train` writes by default (window 2048) is honoured."""
+  _saved_reference(tmp_path, _config(layer=dict(SLIDING, sliding_window=2048,
+                                                layer_types=['sliding_attention'])),
+                   tiny_model)
+  model = load_eagle3(str(tmp_path), target_cfg=TINY)
+  assert model.cfg.layer_types == ('sliding_attention',)
+  assert model.cfg.sliding_window == 2048
+
+
+def test_aux_layer_zero_taps_the_embedding_output(tiny_model, tmp_path):
+  ref = _saved_reference(tmp_path, _config(aux=(0, 1, 2)), tiny_model)
+  model = load_eagle3(str(tmp_path), target_cfg=TINY)
+  assert model.cfg.target_layer_ids == (-1, 0, 1)
+  _assert_ttt_parity(tiny_model, ref, model, (0, 1, 2))
 
 
 def test_own_embedding_round_trips(tiny_model, tmp_path):

@@ -97,13 +97,15 @@ class Eagle3Drafter(DrafterBase):
     """Entries over a window: valid slots are written, every slot attends to the cache
     at positions <= its own."""
     write_BW = jnp.where(valid_BW, positions_BW, cache.max_len)
-    mask_BWS = jnp.arange(cache.max_len)[None, None, :] <= positions_BW[:, :, None]
+    slots_S = jnp.arange(cache.max_len)[None, None, :]
+    mask_BWS = slots_S <= positions_BW[:, :, None]
 
     def kv_fn_of(i):
       def kv_fn(k_new, v_new):
         nonlocal cache
         cache = cache.write(i, k_new, v_new, write_BW)
-        return cache.k_LBSKD[i], cache.v_LBSKD[i], mask_BWS
+        window_BWS = self.config.window_mask(i, positions_BW[:, :, None], slots_S)
+        return cache.k_LBSKD[i], cache.v_LBSKD[i], mask_BWS & window_BWS
       return kv_fn
 
     x = model.block(target, g_BWD, tokens_BW, positions_BW, kv_fn_of)
@@ -167,16 +169,20 @@ class Eagle3Drafter(DrafterBase):
     cache = state.cache
     n_B = ctx.num_tokens_B
     b = n_B.shape[0]
-    committed_BS = (jnp.arange(cache.max_len)[None, :] < (n_B - 1)[:, None])[:, None, :]
+    slots_B1S = jnp.arange(cache.max_len)[None, None, :]
+    # The chain is index n-2's TTT steps: its window counts from entry n-2.
+    committed_BS = [(slots_B1S < (n_B - 1)[:, None, None]) & self.config.window_mask(
+        i, (n_B - 2)[:, None, None], slots_B1S) for i in range(self.config.num_layers)]
     chain = [[] for _ in range(self.config.num_layers)]
     x_BD = state.carry_BD
     tokens, logits, qs = [], [], []
     for k in range(1, self.num_draft + 1):
       if k > 1:
-        mask_B1S = jnp.concatenate([committed_BS, jnp.ones((b, 1, k - 1), bool)], axis=-1)
+        chain_B1C = jnp.ones((b, 1, k - 1), bool)
 
-        def kv_fn_of(i, mask_B1S=mask_B1S):
+        def kv_fn_of(i, chain_B1C=chain_B1C):
           def kv_fn(k_new, v_new):
+            mask_B1S = jnp.concatenate([committed_BS[i], chain_B1C], axis=-1)
             chain[i].append((k_new, v_new))
             dt = cache.k_LBSKD.dtype
             return (jnp.concatenate([cache.k_LBSKD[i]] + [c.astype(dt) for c, _ in chain[i]],

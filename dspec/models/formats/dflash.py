@@ -36,7 +36,7 @@ from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.drafter_dir import (ZLAB_ARCHITECTURES, ConfigKeys, FormatError,
-                                              config_keys, fill_params, layer_rope_theta,
+                                              config_keys, fill_params, read_draft_layers,
                                               read_draft_vocab, read_drafter,
                                               speculators_keys, verifier_depth)
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
@@ -44,9 +44,6 @@ from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, wr
 SPECULATORS_TYPES = ('dflash', 'dflash2')
 _CLASSES = {'dflash': (DFlashModel, DFlashConfig), 'dflash2': (DFlash2Model, DFlash2Config)}
 _DFLASH2_KEYS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
-# Qwen3Config defaults z-lab falls back to when a key is absent.
-_QWEN3_DEFAULTS = {'num_key_value_heads': 32, 'head_dim': 128, 'rms_norm_eps': 1e-6,
-                   'max_window_layers': 28, 'sliding_window': 4096}
 # speculators tensors that never belong to the draft body (the verifier's, reloaded).
 SPECULATORS_IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight',
                        'verifier_norm.weight', 'lm_head.weight', 't2d', 'd2t')
@@ -107,41 +104,14 @@ def read_dspec(path, *, num_target_layers: Optional[int] = None, dtype: str = 'f
   return dspec_checkpoint.load(path, DFlashModel, DFlashConfig, **overrides)
 
 
-def _layer_shapes(keys: ConfigKeys, num_target_layers: int, dtype: str) -> tuple:
+def _layer_shapes(keys: ConfigKeys, num_target_layers: int, dtype: str,
+                  model_types: tuple = ('qwen3',)) -> tuple:
   """(TransformerConfig of the draft layers with the target's depth, n layers, attention
-  fields) from a Qwen3 config dict."""
-  rope_theta = layer_rope_theta(keys, ('qwen3',))
-  heads = keys.get('num_attention_heads', int, required=True)
-  n = keys.get('num_hidden_layers', int, required=True)
-  try:
-    shapes = TransformerConfig(
-        vocab_size=keys.get('vocab_size', int, required=True),
-        num_layers=num_target_layers,
-        embed_dim=keys.get('hidden_size', int, required=True),
-        num_heads=heads,
-        num_kv_heads=keys.get('num_key_value_heads', int,
-                              _QWEN3_DEFAULTS['num_key_value_heads']),
-        head_dim=keys.get('head_dim', int, _QWEN3_DEFAULTS['head_dim']),
-        mlp_dim=keys.get('intermediate_size', int, required=True),
-        rope_theta=rope_theta,
-        norm_eps=keys.get('rms_norm_eps', float, _QWEN3_DEFAULTS['rms_norm_eps']),
-        qk_norm=True, dtype=dtype, param_dtype=dtype)
-  except ValueError as e:
-    raise FormatError(f'{keys.file}: bad draft layer shapes ({e})') from None
-  # Qwen3Config: the window exists only with use_sliding_window; absent layer_types are
-  # sliding from max_window_layers on when it does.
-  window = (keys.get('sliding_window', int, _QWEN3_DEFAULTS['sliding_window'])
-            if keys.get('use_sliding_window', bool, False) else None)
-  layer_types = keys.get('layer_types', list)
-  if layer_types is None:
-    first = keys.get('max_window_layers', int, _QWEN3_DEFAULTS['max_window_layers'])
-    layer_types = ['sliding_attention' if window is not None and i >= first
-                   else 'full_attention' for i in range(n)]
-  if len(layer_types) != n or any(t not in ('full_attention', 'sliding_attention')
-                                  for t in layer_types):
-    raise keys.error('layer_types', f'must name full_attention or sliding_attention for '
-                     f'each of the {n} layers, got {layer_types!r}')
-  attention = dict(layer_types=tuple(layer_types), sliding_window=window,
+  fields) from a layer config dict (`read_draft_layers`; DFlash layers always have q/k
+  norms, whichever model_type names their config)."""
+  shapes, n, layer_types, window = read_draft_layers(keys, model_types, num_target_layers,
+                                                     dtype, qk_norm=True)
+  attention = dict(layer_types=layer_types, sliding_window=window,
                    is_causal=keys.get('is_causal', bool))
   return shapes, n, attention
 
@@ -235,7 +205,7 @@ def read_speculators_config(path: str, kinds: tuple, num_target_layers: Optional
                      'directory: pass num_target_layers (the target depth)')
   layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
                      'transformer_layer_config.')
-  shapes, n, attention = _layer_shapes(layer, depth, dtype)
+  shapes, n, attention = _layer_shapes(layer, depth, dtype, ('qwen3', 'llama'))
   target_hidden = spec.get('target_hidden_size', int)
   if target_hidden not in (None, shapes.embed_dim):
     raise spec.error('target_hidden_size', f'{target_hidden} differs from the draft width '

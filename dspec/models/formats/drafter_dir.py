@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
+from dspec.models.config import TransformerConfig
 from dspec.models.formats.hf_config import rope_theta
 from dspec.models.formats.safetensors_io import open_safetensors, read_params
 
@@ -40,7 +41,7 @@ def read_json(path: str) -> dict:
   try:
     with open(path) as f:
       config = json.load(f)
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise FormatError(f'{path}: not valid JSON ({e})') from None
   if not isinstance(config, dict):
     raise FormatError(f'{path}: not a JSON object')
@@ -152,6 +153,64 @@ def layer_rope_theta(keys: ConfigKeys, model_types: tuple) -> float:
     return rope_theta(keys.config)
   except ValueError as e:
     raise keys.error('rope_parameters', f'is not supported ({e})') from None
+
+
+# Defaults of the HF layer-config classes of draft layers: `to_diff_dict` (how speculators
+# and z-lab save a layer config) leaves out every value equal to its class default.
+_LAYER_DEFAULTS = {
+    'qwen3': {'num_key_value_heads': 32, 'head_dim': 128, 'sliding_window': 4096,
+              'max_window_layers': 28},
+    'llama': {},
+}
+LAYER_TYPES = ('full_attention', 'sliding_attention')
+
+
+def read_draft_layers(keys: ConfigKeys, model_types: tuple, depth: int, dtype: str, *,
+                      qk_norm: Optional[bool] = None,
+                      num_layers_default: Optional[int] = None) -> tuple:
+  """(TransformerConfig of the draft layers with the target's `depth`, their count n, their
+  layer_types, the sliding window or None) of a HF layer config whose model_type is one of
+  `model_types`, read with its class's defaults. Qwen3: the window exists only with
+  use_sliding_window, and absent layer_types are sliding from max_window_layers on. Llama:
+  the window is the sliding_window key (an extra attribute speculators sets) and layers are
+  full unless layer_types says otherwise. qk_norm None: the model type's (Qwen3 has q/k
+  norms)."""
+  theta = layer_rope_theta(keys, model_types)
+  model_type = keys.config.get('model_type', model_types[0])
+  defaults = _LAYER_DEFAULTS[model_type]
+  hidden = keys.get('hidden_size', int, required=True)
+  heads = keys.get('num_attention_heads', int, required=True)
+  n = keys.get('num_hidden_layers', int, num_layers_default,
+               required=num_layers_default is None)
+  try:
+    shapes = TransformerConfig(
+        vocab_size=keys.get('vocab_size', int, required=True), num_layers=depth,
+        embed_dim=hidden, num_heads=heads,
+        num_kv_heads=keys.get('num_key_value_heads', int,
+                              defaults.get('num_key_value_heads', heads)),
+        head_dim=keys.get('head_dim', int, defaults.get('head_dim', hidden // heads)),
+        mlp_dim=keys.get('intermediate_size', int, required=True), rope_theta=theta,
+        norm_eps=keys.get('rms_norm_eps', float, 1e-6),
+        qk_norm=model_type == 'qwen3' if qk_norm is None else qk_norm,
+        dtype=dtype, param_dtype=dtype)
+  except ValueError as e:
+    raise FormatError(f'{keys.file}: bad draft layer shapes ({e})') from None
+  if model_type == 'qwen3':
+    window = (keys.get('sliding_window', int, defaults['sliding_window'])
+              if keys.get('use_sliding_window', bool, False) else None)
+  else:
+    window = keys.get('sliding_window', int)
+  if window is not None and window < 1:
+    raise keys.error('sliding_window', f'must be >= 1, got {window}')
+  layer_types = keys.get('layer_types', list)
+  if layer_types is None:
+    first = keys.get('max_window_layers', int, defaults.get('max_window_layers', n))
+    layer_types = ['sliding_attention' if model_type == 'qwen3' and window is not None
+                   and i >= first else 'full_attention' for i in range(n)]
+  if len(layer_types) != n or any(t not in LAYER_TYPES for t in layer_types):
+    raise keys.error('layer_types', f'must name full_attention or sliding_attention for '
+                     f'each of the {n} layers, got {layer_types!r}')
+  return shapes, n, tuple(layer_types), window
 
 
 def verifier_depth(spec: ConfigKeys) -> Optional[int]:

@@ -2,9 +2,11 @@
 
 speculators form (`speculators_model_type: "eagle3"`, as speculators 0.9.0 saves it):
 config.json with the draft layers in `transformer_layer_config` (llama | qwen3, the
-latter with q/k norms), `draft_vocab_size`, the norm options, and the taps as HF
-hidden-state indices `eagle_aux_hidden_state_layer_ids` (index i = the output of layer
-i-1; index L is the post-final-norm hidden; null = [2, L//2, L-3]); model.safetensors with
+latter with q/k norms; read with their class defaults, `read_draft_layers`, so the
+'sliding_attention' layers `speculators train` builds by default keep their window),
+`draft_vocab_size`, the norm options, and the taps as HF hidden-state indices
+`eagle_aux_hidden_state_layer_ids` (index i = the output of layer i-1, 0 the embedding
+output; index L is the post-final-norm hidden; null = [2, L//2, L-3]); model.safetensors with
 `fc`, `layers.{i}.*` (layer 0 with `hidden_norm` and 2H-wide q/k/v), `norm`, `lm_head`
 [V', H] and the vocabulary maps `t2d` [V] bool / `d2t` [V'] (target id = index + d2t).
 With `embed_requires_grad` the drafter trained its own embedding: `embed_tokens.weight`
@@ -31,7 +33,7 @@ from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, default_target_layer_ids
 from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
-                                              fill_params, layer_rope_theta,
+                                              fill_params, read_draft_layers,
                                               read_draft_vocab, read_drafter,
                                               speculators_keys, verifier_depth)
 from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
@@ -43,24 +45,14 @@ _EMBED = 'embed_tokens.weight'
 _NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')
 
 
-def _layer_shapes(keys: ConfigKeys, vocab: int, depth: int, dtype: str) -> TransformerConfig:
-  rope_theta = layer_rope_theta(keys, ('llama', 'qwen3'))
-  model_type = keys.config.get('model_type', 'llama')
-  layer_types = keys.get('layer_types', list) or []
-  if any(t != 'full_attention' for t in layer_types):
-    raise keys.error('layer_types', f'must all be "full_attention", got {layer_types!r}')
-  hidden = keys.get('hidden_size', int, required=True)
-  heads = keys.get('num_attention_heads', int, required=True)
-  try:
-    return TransformerConfig(
-        vocab_size=vocab, num_layers=depth, embed_dim=hidden, num_heads=heads,
-        num_kv_heads=keys.get('num_key_value_heads', int, heads),
-        head_dim=keys.get('head_dim', int, hidden // heads),
-        mlp_dim=keys.get('intermediate_size', int, required=True), rope_theta=rope_theta,
-        norm_eps=keys.get('rms_norm_eps', float, 1e-6), qk_norm=model_type == 'qwen3',
-        dtype=dtype, param_dtype=dtype)
-  except ValueError as e:
-    raise FormatError(f'{keys.file}: bad draft layer shapes ({e})') from None
+def _layer_shapes(keys: ConfigKeys, depth: int, dtype: str) -> tuple:
+  """(TransformerConfig of the draft layers, their config fields: num_layers, layer_types,
+  sliding_window)."""
+  shapes, n, layer_types, window = read_draft_layers(keys, ('llama', 'qwen3'), depth, dtype,
+                                                     num_layers_default=1)
+  if 'sliding_attention' not in layer_types:
+    layer_types, window = (), None
+  return shapes, dict(num_layers=n, layer_types=layer_types, sliding_window=window)
 
 
 def _check_width(file: str, hidden: int, target_cfg: Optional[TransformerConfig]) -> None:
@@ -128,22 +120,21 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
   if depth is None:
     raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
                      'directory: pass the target config (its depth resolves the taps)')
-  vocab = layer.get('vocab_size', int, required=True)
-  shapes = _layer_shapes(layer, vocab, depth, dtype)
+  shapes, layer_fields = _layer_shapes(layer, depth, dtype)
+  vocab = shapes.vocab_size
   _check_width(spec.file, shapes.embed_dim, target_cfg)
   target_hidden = spec.get('target_hidden_size', int)
   if target_hidden not in (None, shapes.embed_dim):
     raise spec.error('target_hidden_size', f'{target_hidden} differs from the draft width '
                      f'{shapes.embed_dim}')
   aux = spec.int_list('eagle_aux_hidden_state_layer_ids') or [2, depth // 2, depth - 3]
-  if min(aux) < 1 or max(aux) > depth:
+  if min(aux) < 0 or max(aux) > depth:
     raise spec.error('eagle_aux_hidden_state_layer_ids', f'{aux} are not hidden-state '
-                     f'indices in [1, {depth}] of the {depth}-layer target')
+                     f'indices in [0, {depth}] of the {depth}-layer target')
   steps = [m.get('speculative_tokens') for m in (spec.config.get('speculators_config') or {})
            .get('proposal_methods') or [] if isinstance(m, dict)]
   tensors = tensor_files(path)
-  fields = dict(target_layer_ids=tuple(a - 1 for a in aux),
-                num_layers=layer.get('num_hidden_layers', int, 1),
+  fields = dict(target_layer_ids=tuple(a - 1 for a in aux), **layer_fields,
                 draft_vocab=_vocab(path, spec, tensors, vocab),
                 final_tap_normed=depth in aux,
                 ttt_steps=steps[0] if steps and isinstance(steps[0], int) else 3,
@@ -163,13 +154,12 @@ def read_legacy(path, *, target_cfg: Optional[TransformerConfig] = None,
   if target_cfg is None:
     raise FormatError(f'{path}: a legacy EAGLE-3 checkpoint needs the target config (its '
                       'depth gives the taps)')
-  vocab = keys.get('vocab_size', int, required=True)
-  shapes = _layer_shapes(keys, vocab, target_cfg.num_layers, dtype)
+  shapes, layer_fields = _layer_shapes(keys, target_cfg.num_layers, dtype)
+  vocab = shapes.vocab_size
   _check_width(keys.file, shapes.embed_dim, target_cfg)
   depth = target_cfg.num_layers
   taps = tuple(taps) if taps else default_target_layer_ids(depth)
-  fields = dict(target_layer_ids=taps, final_tap_normed=depth - 1 in taps,
-                num_layers=keys.get('num_hidden_layers', int, 1),
+  fields = dict(target_layer_ids=taps, final_tap_normed=depth - 1 in taps, **layer_fields,
                 draft_vocab=_vocab(path, keys, tensors, vocab),
                 **{k: keys.get(k, bool, False) for k in _NORM_FLAGS})
   return _build(path, fields, shapes, tensors,
@@ -210,7 +200,8 @@ def speculators_config(model: Eagle3Model) -> dict:
       intermediate_size=shapes.mlp_dim, hidden_act='silu', rms_norm_eps=shapes.norm_eps,
       vocab_size=shapes.vocab_size, attention_bias=False, tie_word_embeddings=False,
       rope_parameters={'rope_theta': shapes.rope_theta, 'rope_type': 'default'},
-      layer_types=['full_attention'] * cfg.num_layers)
+      layer_types=list(cfg.layer_types) or ['full_attention'] * cfg.num_layers,
+      sliding_window=cfg.sliding_window, use_sliding_window=cfg.sliding_window is not None)
   return dict(
       architectures=['Eagle3DraftModel'], speculators_model_type='eagle3',
       speculators_version='0.9.0', draft_vocab_size=model.draft_vocab_size,
