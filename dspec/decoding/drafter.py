@@ -237,11 +237,7 @@ def pick_draft(model, logits_BV, ctx: DraftContext, key, sample: bool):
   if ctx.sampling.greedy or not sample:
     return model.token_ids(jnp.argmax(logits_BV, axis=-1)), None
   q_BV = processed_probs(logits_BV, ctx.sampling, ctx.temperature, ctx.top_p)
-  token_B = model.token_ids(sample_from_probs(key, q_BV))
-  if model.cfg.draft_vocab:
-    full = jnp.zeros((q_BV.shape[0], model.target_cfg.vocab_size), q_BV.dtype)
-    q_BV = full.at[:, jnp.asarray(model.cfg.draft_vocab)].set(q_BV)
-  return token_B, q_BV
+  return model.token_ids(sample_from_probs(key, q_BV)), model.over_target_vocab(q_BV)
 
 
 def checkpoint_path(cfg, kind: str) -> str:

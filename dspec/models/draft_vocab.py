@@ -58,6 +58,13 @@ class DraftVocab:
       return index.astype(jnp.int32)
     return jnp.asarray(self.cfg.draft_vocab, jnp.int32)[index]
 
+  def over_target_vocab(self, q_BV):
+    """A draft-vocabulary distribution [B, V'] placed into the target vocabulary [B, V]."""
+    if not self.cfg.draft_vocab:
+      return q_BV
+    full_BV = jnp.zeros((q_BV.shape[0], self.target_cfg.vocab_size), q_BV.dtype)
+    return full_BV.at[:, jnp.asarray(self.cfg.draft_vocab)].set(q_BV)
+
   def draft_index(self, token_ids):
     """Draft-vocabulary index of each token id, -1 where the drafter cannot propose it."""
     if not self.cfg.draft_vocab:

@@ -15,7 +15,9 @@ the anchor, then the slot's predecessor draft), added to the backbone's draft lo
            s ← σ(gate) ⊙ s + (1 − σ(gate)) ⊙ tanh(cand) (s = 0 before slot 0);
            bias = W2 · tanh(out)
 
-with W1 [V, r], W2 [r → V]. Drafting applies it slot by slot from the anchor (`walk`),
+with W1 [V, r] over the target vocabulary (x is a target token id), W2 [r → V'] onto the
+draft vocabulary (`draft_vocab`, a reduced head as speculators' d2t / t2d maps; V' = V
+without one). Drafting applies it slot by slot from the anchor (`walk`),
 greedy or sampled; the sampled distribution q (the biased logits through the target's
 temperature / top-k / top-p) is handed to rejection sampling, so sampling stays exactly
 lossless. Training uses teacher forcing (x = the data's token at a+k).
@@ -73,8 +75,6 @@ class DSparkConfig(DFlashConfig):
       if temps and (len(temps) != self.block_size or min(temps) <= 0):
         raise ValueError(f'dspark {name} must be {self.block_size} positive values (one per '
                          f'slot) or empty, got {list(temps)}')
-    if self.draft_vocab:
-      raise ValueError('dspark needs the full vocabulary (draft_vocab must be empty)')
     if not self.sample_from_anchor:
       raise ValueError('dspark sample_from_anchor must be true (anchor-first blocks; a '
                        'block whose slot 0 only carries the anchor is DFlash)')
@@ -109,16 +109,16 @@ class _Table(nnx.Module):
 
 
 class MarkovHead(nnx.Module):
-  """W1 [V, r], W2 [r → V] and the gated / rnn variants' projection."""
+  """W1 [V, r], W2 [r → V'] and the gated / rnn variants' projection."""
 
-  def __init__(self, vocab: int, rank: int, dim: int, head_type: str, cfg: TransformerConfig,
-               *, rngs: nnx.Rngs):
+  def __init__(self, vocab: int, draft_vocab: int, rank: int, dim: int, head_type: str,
+               cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.head_type = head_type
     self.rank = rank
     linear = lambda i, o, **kw: nnx.Linear(i, o, dtype=jnp.float32,
                                            param_dtype=cfg.param_dtype, rngs=rngs, **kw)
     self.markov_w1 = _Table(vocab, rank, cfg, rngs=rngs)
-    self.markov_w2 = linear(rank, vocab, use_bias=False,
+    self.markov_w2 = linear(rank, draft_vocab, use_bias=False,
                             kernel_init=nnx.initializers.zeros_init())
     if head_type == 'gated':
       self.gate_proj = linear(dim + rank, rank, kernel_init=_INIT)
@@ -185,8 +185,10 @@ class DSparkModel(DFlashModel):
   def __init__(self, cfg: DSparkConfig, target_cfg: TransformerConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, target_cfg, rngs=rngs)
     d = target_cfg.embed_dim
-    self.markov_head = (MarkovHead(target_cfg.vocab_size, cfg.markov_rank, d,
-                                   cfg.markov_head_type, target_cfg, rngs=rngs)
+    self.markov_head = (MarkovHead(target_cfg.vocab_size,
+                                   len(cfg.draft_vocab) or target_cfg.vocab_size,
+                                   cfg.markov_rank, d, cfg.markov_head_type, target_cfg,
+                                   rngs=rngs)
                         if cfg.markov_rank else None)
     self.confidence_head = (ConfidenceHead(d + cfg.confidence_input_dim_extra, target_cfg,
                                            rngs=rngs)
@@ -204,8 +206,9 @@ class DSparkModel(DFlashModel):
     return self.confidence_head(feats)
 
   def heads(self, target, hidden_BTD, prev_BT):
-    """Teacher-forced (biased logits [B, T, V] fp32, confidence logits [B, T] or None) of
-    blocks of `cfg.block_size` slots laid out along T, given each slot's previous token."""
+    """Teacher-forced (biased draft-vocabulary logits [B, T, V'] fp32, confidence logits
+    [B, T] or None) of blocks of `cfg.block_size` slots laid out along T, given each slot's
+    previous token (target ids)."""
     logits = self.draft_logits(target, hidden_BTD).astype(jnp.float32)
     emb = self._embed_prev(prev_BT)
     if self.markov_head is not None:
@@ -219,7 +222,8 @@ class DSparkModel(DFlashModel):
   def walk(self, target, hidden_BGD, anchor_B, *, sampling=None, temperature=None,
            top_p=None, key=None) -> DSparkWalk:
     """Drafts the block slot by slot from the anchor: argmax of the biased logits
-    (`sampling` None or greedy), else a sample of their processed distribution q."""
+    (`sampling` None or greedy), else a sample of their processed distribution q (placed
+    into the target vocabulary). Tokens are target ids."""
     greedy = sampling is None or sampling.greedy
     base_BGV = self.draft_logits(target, hidden_BGD).astype(jnp.float32)
     b, g, _ = base_BGV.shape
@@ -236,11 +240,11 @@ class DSparkModel(DFlashModel):
         logits_BV = logits_BV + bias
       confs.append(self._confidence(hidden_BGD[:, k], emb))
       if greedy:
-        prev_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        prev_B = self.token_ids(jnp.argmax(logits_BV, axis=-1))
       else:
         q_BV = processed_probs(logits_BV, sampling, temperature, top_p)
-        qs.append(q_BV)
-        prev_B = sample_from_probs(keys[k], q_BV).astype(jnp.int32)
+        prev_B = self.token_ids(sample_from_probs(keys[k], q_BV))
+        qs.append(self.over_target_vocab(q_BV))
       tokens.append(prev_B)
     conf = None if self.confidence_head is None else jnp.stack(confs, axis=1)
     return DSparkWalk(jnp.stack(tokens, axis=1), conf,

@@ -5,7 +5,10 @@ speculators form: config.json with `speculators_model_type: "dspark"`, `markov_r
 `sample_from_anchor` and the DFlash keys of `formats.dflash`'s speculators form; tensors
 `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
 `markov_head.gate_proj.{weight,bias}`, `markov_head.joint_proj.{weight,bias}`,
-`confidence_head.proj.{weight,bias}` beside the DFlash body. dspec writes the calibration
+`confidence_head.proj.{weight,bias}` beside the DFlash body. A reduced draft vocabulary
+(`draft_vocab_size` < the layers' vocab_size, with `t2d` / `d2t`) is read as DFlash's: W2
+and the head cover the draft ids, W1 the target's. The draft layers' config may name
+llama or qwen3 (speculators builds Qwen3 DFlash layers, with q/k norms, from either). dspec writes the calibration
 as the extra keys `dspec_confidence_temperatures` / `dspec_greedy_confidence_temperatures`.
 """
 
@@ -20,7 +23,7 @@ from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.dflash import (SPECULATORS_IGNORED, build_drafter,
                                          check_exportable, qwen3_layer_config,
                                          read_speculators_config, torch_name)
-from dspec.models.formats.drafter_dir import FormatError, read_drafter
+from dspec.models.formats.drafter_dir import FormatError, read_draft_vocab, read_drafter
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
 
 _HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
@@ -51,9 +54,10 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
   path = os.fspath(path)
   spec, _, shapes, fields = read_speculators_config(path, ('dspark',), num_target_layers,
                                                     dtype)
-  if spec.get('draft_vocab_size', int, shapes.vocab_size) != shapes.vocab_size:
-    raise spec.error('draft_vocab_size', 'is a reduced vocabulary: dspec\'s DSpark needs '
-                     'the full one')
+  tensors = tensor_files(path)
+  vocab_size = spec.get('draft_vocab_size', int, shapes.vocab_size)
+  if vocab_size != shapes.vocab_size:
+    fields['draft_vocab'] = read_draft_vocab(path, tensors, shapes.vocab_size, vocab_size)
   if spec.get('sliding_window_non_causal', bool, False):
     fields['is_causal'] = False
   fields.update(
@@ -65,7 +69,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
       confidence_temperatures=tuple(spec.get('dspec_confidence_temperatures', list, [])),
       greedy_confidence_temperatures=tuple(
           spec.get('dspec_greedy_confidence_temperatures', list, [])))
-  tensors = {k: v for k, v in tensor_files(path).items() if k not in SPECULATORS_IGNORED}
+  tensors = {k: v for k, v in tensors.items() if k not in SPECULATORS_IGNORED}
   wanted = {'markov_head': fields['markov_rank'] > 0,
             'confidence_head': fields['enable_confidence_head']}
   for head, on in wanted.items():
@@ -97,6 +101,10 @@ def speculators_config(drafter: DSparkModel) -> dict:
   """speculators' DSpark config.json of a drafter (ValueError when it has no such form)."""
   cfg, shapes = drafter.cfg, drafter.layer_cfg
   check_exportable(drafter, 'speculators')
+  if cfg.draft_vocab:
+    raise ValueError("a reduced draft vocabulary has no speculators DSpark export here: that "
+                     "form carries the target's head rows (lm_head.weight), which the "
+                     'drafter does not hold')
   layer_types = list(cfg.layer_types) or ['full_attention'] * cfg.num_layers
   sliding_causal = cfg.is_causal is None or cfg.is_causal
   if cfg.is_causal and 'full_attention' in layer_types:
