@@ -10,8 +10,9 @@ Writes DIR/results.json (one row per dataset × method × temperature × batch �
 transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (docs/DESIGN.md); results.json
 appears only when the run finished; until then DIR/results.partial.json holds every finished
 (dataset, temperature, batch size) sweep point, which --resume does not run again (each
-point's speedups compare with the AR run of the same point and process). Library code:
-dspec/bench/harness.py.
+point's speedups compare with the AR run of the same point and process). A DIR holding files
+dspec did not write is refused unless --force (and then nothing in it is deleted). Library
+code: dspec/bench/harness.py.
 """
 
 import os
@@ -21,23 +22,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli, console  # noqa: E402
+from dspec import cli, config_checks, console  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_demo.py',
-                                          'Benchmark config file.', lock_config=True)
+_CONFIG = cli.define_config('configs/bench_demo.py', 'Benchmark config file.')
 _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Directory for results and plots.')
 _RENDER = flags.DEFINE_string('render', None, 'Print the docs/RESULTS.md section of a '
                               'finished run directory and exit.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue an interrupted run of the same config '
                             'in --out_dir from its partial results.')
 _DOCS_DIR = flags.DEFINE_string('docs_dir', 'docs', 'Plot links are relative to this (--render).')
+_FORCE = flags.DEFINE_bool('force', False, 'Write into an --out_dir that holds files dspec did '
+                           'not write (nothing in it is deleted; results.json is replaced).')
 
 
 def main(argv):
   del argv
   status = console.configure()
+  from dspec import files
   from dspec.bench import harness, report  # heavy imports after flag parsing
   if _RENDER.value:
     if not os.path.exists(os.path.join(_RENDER.value, report.RESULTS)):
@@ -46,6 +48,10 @@ def main(argv):
     return
   if not _OUT_DIR.value:
     raise cli.UserError('give --out_dir=DIR')
+  config_checks.require_sections(_CONFIG.value, ('bench',), 'scripts/benchmark.py',
+                                 flags.FLAGS['config'].config_filename)
+  files.check_output_dir(_OUT_DIR.value, '--out_dir', force=_FORCE.value,
+                         ours=report.is_benchmark_dir)
   command = 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
   status(f'benchmark into {_OUT_DIR.value}: loading the target and drafters')
   rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command, _RESUME.value)

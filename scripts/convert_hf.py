@@ -32,7 +32,9 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'generation_config
 
 def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
   """Loads `hf_dir`, saves it as a dspec target checkpoint at `out` with its tokenizer."""
+  from dspec import files
   from dspec.checkpoint import save_model  # heavy imports after flag parsing
+  files.check_distinct({'--out': out}, {'--hf_dir': hf_dir})
   from dspec.hf_import import load_hf_model, read_hf_config
   hf_config = read_hf_config(hf_dir)
   model, cfg = load_hf_model(hf_dir)

@@ -18,8 +18,9 @@ checkpoint metadata (or config.json). Forms (`dspec.models.formats.DRAFTERS`):
 
 Combinations without a writer (DSpark or EAGLE-3 in z-lab form, DFlash in speculators form)
 and drafters a form cannot express (a reduced draft vocabulary in z-lab form, dspec's
-anchor-relative window) are refused. Bad input prints one `error: ...` line and exits with
-status 1.
+anchor-relative window) are refused. An --out that holds files dspec did not write is refused
+unless --force; an earlier export is replaced; --out inside --path is refused. Bad input
+prints one `error: ...` line and exits with status 1.
 """
 
 import os
@@ -38,17 +39,28 @@ _FORMAT = flags.DEFINE_enum('format', None, ['zlab', 'speculators'],
                             'for DSpark, EAGLE-3 and MTP).')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
                            'Dtype of the exported tensors.')
-_FORCE = flags.DEFINE_boolean('force', False, 'Write into a non-empty --out directory.')
+_FORCE = flags.DEFINE_boolean('force', False, 'Write into an --out directory holding files '
+                               'dspec did not write (its config.json and model.safetensors '
+                               'are replaced; nothing else is touched).')
+
+
+def _exported_by_dspec(out: str) -> bool:
+  """An earlier export: a dspec-marked model.safetensors beside config.json, nothing else."""
+  from dspec import files
+  from dspec.models.formats.safetensors_io import SINGLE_FILE
+  return (set(os.listdir(out)) - {files.LOCK_FILE} == {SINGLE_FILE, 'config.json'}
+          and files.written_by_dspec(os.path.join(out, SINGLE_FILE)))
 
 
 def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
+  from dspec import files
   from dspec.models.formats import DRAFTERS, kind_of
   out = _OUT.value
-  if os.path.isdir(out) and os.listdir(out) and not _FORCE.value:
-    raise cli.UserError(f'{out}: directory is not empty (pass --force to write into it)')
+  files.check_distinct({'--out': out}, {'--path': _PATH.value})
+  files.check_output_dir(out, '--out', force=_FORCE.value, ours=_exported_by_dspec)
   kind = kind_of(_PATH.value)
   if kind not in DRAFTERS:
     raise cli.UserError(f'{_PATH.value}: holds a {kind!r} model; export_drafter writes '

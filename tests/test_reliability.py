@@ -178,13 +178,20 @@ def test_convert_hf_force_with_an_empty_out_deletes_nothing(tmp_path, tiny_targe
   assert sentinel.read_text() == 'x'
 
 
-def test_output_symlink_is_written_through_not_replaced(tmp_path):
+def test_output_symlink_is_refused_unless_it_leads_to_a_stream(tmp_path):
   target = tmp_path / 'real.json'
   target.write_text('old')
   link = tmp_path / 'link.json'
   link.symlink_to(target)
-  files.write_json_atomic(str(link), {'a': 1})
-  assert link.is_symlink() and json.loads(target.read_text()) == {'a': 1}
+  with pytest.raises(files.OutputPathError, match='symlink'):
+    files.write_json_atomic(str(link), {'a': 1})
+  assert link.is_symlink() and target.read_text() == 'old'
+  fifo = tmp_path / 'fifo'
+  os.mkfifo(fifo)
+  (tmp_path / 'to_fifo').symlink_to(fifo)
+  reader = subprocess.Popen(['cat', str(fifo)], stdout=subprocess.PIPE, text=True)
+  files.write_json_atomic(str(tmp_path / 'to_fifo'), {'a': 1})
+  assert json.loads(reader.communicate(timeout=30)[0]) == {'a': 1}
 
 
 def test_output_character_device_is_written_through_not_replaced(tmp_path):
@@ -479,8 +486,9 @@ def test_bad_hf_config_json_is_a_clear_error(tmp_path, content, message):
 
 
 def test_convert_hf_with_a_bad_config_is_one_error_line(tmp_path):
-  (tmp_path / 'config.json').write_text('[]')
-  rc, _, stderr = _run_script('convert_hf.py', f'--hf_dir={tmp_path}',
+  (tmp_path / 'hf').mkdir()
+  (tmp_path / 'hf' / 'config.json').write_text('[]')
+  rc, _, stderr = _run_script('convert_hf.py', f'--hf_dir={tmp_path / "hf"}',
                               f'--out={tmp_path / "out"}')
   _one_error_line(rc, stderr, 'must hold a JSON object')
   assert not (tmp_path / 'out').exists()

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import time
 from types import SimpleNamespace
@@ -559,11 +558,7 @@ class Benchmark:
     path = os.path.join(self.out_dir, report.PARTIAL)
     if not os.path.exists(path):
       return 0.0
-    with open(path) as f:
-      saved = json.load(f)
-    if not isinstance(saved, dict) or 'config' not in saved:
-      raise UserError(f'{path} is from an older dspec and cannot be resumed; '
-                      'rerun without --resume')
+    saved = report.read_partial(path)
     now = report.json_ready(self.cfg.to_dict())
     if saved['config'] != now:
       differ = sorted(k for k in set(now) | set(saved['config'])
@@ -598,8 +593,8 @@ class Benchmark:
               continue
             self.run_sweep_point(dataset, float(temperature), int(batch_size), bar)
             compiled_programs.release_if_many_maps()   # a family run compiles hundreds
-            report.write_json_atomic(os.path.join(self.out_dir, report.PARTIAL),
-                                     self._progress(earlier_s + time.time() - started))
+            report.write_partial(self.out_dir,
+                                 self._progress(earlier_s + time.time() - started))
       if bench.hf_peer:
         peer = self.run_peer(bar)
     meta = report.run_metadata(self.cfg, self.command, earlier_s + time.time() - started)

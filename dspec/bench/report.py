@@ -25,7 +25,9 @@ import os
 import platform
 from typing import Optional
 
-from dspec.files import write_atomic, write_json_atomic, write_text_atomic
+from dspec.errors import UserError
+from dspec.files import (mark, read_json, write_atomic, write_json_atomic, write_text_atomic,
+                         written_by_dspec)
 
 RESULTS = 'results.json'
 PARTIAL = 'results.partial.json'
@@ -40,13 +42,52 @@ PLOTS = {
 }
 
 
+_LEGACY_META_KEYS = frozenset({'command', 'date', 'machine', 'config'})
+
+
+def is_benchmark_dir(out_dir: str) -> bool:
+  """Whether `out_dir` holds a benchmark run dspec wrote: a marked meta.json or partial
+  results (`dspec.files.mark`), or a meta.json of a run from before the marks."""
+  for name in (META, PARTIAL):
+    path = os.path.join(out_dir, name)
+    if os.path.isfile(path) and written_by_dspec(path):
+      return True
+  try:
+    with open(os.path.join(out_dir, META)) as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(meta, dict) and _LEGACY_META_KEYS <= set(meta)
+
+
 def remove_stale(out_dir: str, keep_partial: bool = False) -> None:
-  """Creates `out_dir`; removes an earlier run's results.json so it cannot pass for this one
-  (and its partial results unless this run resumes them)."""
+  """Creates `out_dir`; in a directory of an earlier benchmark run (`is_benchmark_dir`),
+  removes its results.json so it cannot pass for this one (and its partial results unless
+  this run resumes them). A directory dspec did not write is never emptied."""
   os.makedirs(out_dir, exist_ok=True)
+  if not is_benchmark_dir(out_dir):
+    return
   for name in (RESULTS,) if keep_partial else (RESULTS, PARTIAL):
     if os.path.exists(os.path.join(out_dir, name)):
       os.remove(os.path.join(out_dir, name))
+
+
+def read_partial(path: str) -> dict:
+  """The partial results of an interrupted run (`write_partial`); UserError naming `path`
+  when they are unreadable or from an older dspec."""
+  try:
+    saved = read_json(path, 'partial-results file')
+  except (OSError, ValueError) as e:
+    raise UserError(f'{e}; rerun without --resume (or remove it)') from None
+  if not isinstance(saved, dict) or not {'config', 'rows', 'wall_s', 'entropy',
+                                          'draft_cost'} <= set(saved):
+    raise UserError(f'{path} is not the partial results of a dspec benchmark of this '
+                    'version and cannot be resumed; rerun without --resume')
+  return saved
+
+
+def write_partial(out_dir: str, progress: dict) -> None:
+  write_json_atomic(os.path.join(out_dir, PARTIAL), mark(progress, 'benchmark partial'))
 
 
 def json_ready(obj):
@@ -77,7 +118,7 @@ def write_outputs(out_dir: str, rows: list, meta: dict) -> None:
   """Plots, meta.json, results.md, then results.json (all atomic); drops the partial file."""
   extra = make_plots(rows, out_dir)
   meta = dict(meta, plots=sorted(PLOTS.values()) + extra)
-  write_json_atomic(os.path.join(out_dir, META), meta)
+  write_json_atomic(os.path.join(out_dir, META), mark(meta, 'benchmark meta'))
   write_text_atomic(os.path.join(out_dir, MARKDOWN), render_markdown(rows, meta))
   write_json_atomic(os.path.join(out_dir, RESULTS), rows)
   if os.path.exists(os.path.join(out_dir, PARTIAL)):
@@ -501,10 +542,8 @@ def render_markdown(rows: list, meta: dict, image_dir: str = '') -> str:
 def render_results_section(out_dir: str, docs_dir: str = 'docs',
                            title: Optional[str] = None) -> str:
   """A docs/RESULTS.md section for the finished run in `out_dir` (plots linked relatively)."""
-  with open(os.path.join(out_dir, RESULTS)) as f:
-    rows = json.load(f)
-  with open(os.path.join(out_dir, META)) as f:
-    meta = json.load(f)
+  rows = read_json(os.path.join(out_dir, RESULTS), 'benchmark results file')
+  meta = read_json(os.path.join(out_dir, META), 'benchmark meta file')
   title = title or f'Benchmark: {os.path.basename(os.path.normpath(out_dir))}'
   image_dir = os.path.relpath(out_dir, docs_dir)
   return '\n'.join([f'## {title}', '', _header(meta), '', _settings(meta), '']

@@ -35,8 +35,8 @@ def read_token_map(path: str, vocab_size: int) -> tuple:
   try:
     with open(path) as f:
       ids = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f'{path}: token map is not JSON ({e.msg})') from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path}: token map is not JSON ({e})') from None
   if not isinstance(ids, list) or not ids or \
       not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
     raise ValueError(f'{path}: a token map is a non-empty JSON list of token ids')

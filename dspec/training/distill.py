@@ -10,7 +10,10 @@ manifest lists a shard only after its file exists, so an interrupted run never l
 shard that looks complete; rerunning the same command resumes at the first missing shard.
 The manifest also records a SHA-256 of the target's weights and of its tokenizer: a resume
 with another model (other weights at the same path, another seed) is refused. One process
-at a time may write a directory (a lock refuses a second).
+at a time may write a directory (a lock refuses a second; one left by a killed run is
+stale and taken over). A manifest that lists no shard yet (a run killed before its first
+shard) is started afresh whatever its settings. A directory holding anything but a
+distilled set is refused unless `force` (nothing in it is deleted).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from tqdm import tqdm
 
 from dspec import checkpoint, config_checks, datasets
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.files import directory_lock, write_atomic, write_json_atomic
+from dspec.files import (check_distinct, check_output_dir, directory_lock, write_atomic,
+                         write_json_atomic)
 from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.decoding.runner import Settings
 from dspec.loading import build_target
@@ -117,6 +121,11 @@ def _open_manifest(out_dir: str, fingerprint: str, models: dict, num_prompts: in
     write_json_atomic(manifest_path, manifest)
     return manifest
   manifest = _read_manifest(manifest_path)
+  if not manifest['shards'] and not manifest.get('complete'):   # killed before a shard
+    manifest = dict({'fingerprint': fingerprint, 'shards': [], 'complete': False,
+                     'num_prompts': num_prompts, 'temperature': temperature}, **models)
+    write_json_atomic(manifest_path, manifest)
+    return manifest
   if manifest.get('fingerprint') != fingerprint:
     raise ValueError(f'{out_dir} holds a distilled set made with other settings; '
                      'use a new --out_dir')
@@ -134,14 +143,20 @@ def _open_manifest(out_dir: str, fingerprint: str, models: dict, num_prompts: in
   return manifest
 
 
-def distill(cfg, out_dir: str) -> dict:
-  """Generates (or resumes generating) the distilled dataset; returns the manifest."""
+def distill(cfg, out_dir: str, force: bool = False) -> dict:
+  """Generates (or resumes generating) the distilled dataset; returns the manifest.
+  `force`: write into a directory that holds files of something else."""
   dcfg = cfg.distill
   config_checks.check_distill_config(cfg)
   spec = Settings(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                   seed=cfg.seed).sampling()
   if not out_dir:
     raise ValueError('empty --out_dir')
+  check_distinct({'--out_dir': out_dir}, {'--config.model.path': cfg.model.path,
+                                          '--config.model.tokenizer_dir':
+                                              cfg.model.get('tokenizer_dir')})
+  check_output_dir(out_dir, '--out_dir', force=force,
+                   ours=lambda d: os.path.exists(os.path.join(d, _MANIFEST)))
   target, tokenizer, _ = build_target(cfg.model)
   prompts = _encode_prompts(cfg, tokenizer)
   if not prompts:

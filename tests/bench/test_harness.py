@@ -113,16 +113,24 @@ def test_interrupted_write_leaves_no_results(tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == [report.RESULTS]
 
 
-def test_interrupted_run_removes_stale_results(tmp_path, monkeypatch):
-  report.write_json_atomic(str(tmp_path / report.RESULTS), [{'stale': True}])
+def test_interrupted_run_removes_stale_results_of_dspec_only(tmp_path, monkeypatch):
+  """An earlier run's results.json cannot pass for this one; a results.json in a directory
+  dspec did not write is never deleted."""
+  ours, theirs = tmp_path / 'ours', tmp_path / 'theirs'
+  for d in (ours, theirs):
+    d.mkdir()
+    report.write_json_atomic(str(d / report.RESULTS), [{'stale': True}])
+  report.write_json_atomic(str(ours / report.META), report.mark({'wall_s': 1.0}, 'meta'))
 
   def interrupted(self, *args):
     raise KeyboardInterrupt
 
   monkeypatch.setattr(harness.Benchmark, 'run_sweep_point', interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    harness.run_benchmark(_tiny_cfg(), str(tmp_path))
-  assert not os.path.exists(tmp_path / report.RESULTS)
+  for d in (ours, theirs):
+    with pytest.raises(KeyboardInterrupt):
+      harness.run_benchmark(_tiny_cfg(), str(d))
+  assert not os.path.exists(ours / report.RESULTS)
+  assert json.loads((theirs / report.RESULTS).read_text()) == [{'stale': True}]
 
 
 def test_resume_skips_finished_sweep_points(tmp_path, monkeypatch):

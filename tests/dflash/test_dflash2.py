@@ -252,8 +252,9 @@ def test_dflash2_task_trains_loads_and_exports(tmp_path):
   for a, b in zip(jax.tree.leaves(nnx.state(again, nnx.Param)),
                   jax.tree.leaves(nnx.state(drafter, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  (out / 'notes.txt').write_text('mine')   # an earlier export is replaced, a user's file not
   proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py'),
                          f'--path={tmp_path / "run" / "final"}', f'--out={out}'],
                         capture_output=True, text=True, cwd=REPO_ROOT)
   assert proc.returncode == 1 and proc.stderr.strip().count('\n') == 0
-  assert 'not empty' in proc.stderr
+  assert 'files dspec did not write' in proc.stderr

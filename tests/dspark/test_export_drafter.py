@@ -122,5 +122,6 @@ def test_bad_input_is_one_error_line(dspark_ckpt, target, tmp_path):
     assert stderr.startswith('error: ') and message in stderr, stderr
     assert not (tmp_path / 'out').exists()
   rc, _, stderr = _export(f'--path={path}', f'--out={tmp_path / "full"}')
-  assert rc == 1 and stderr.strip() == (f'error: {tmp_path / "full"}: directory is not '
-                                        'empty (pass --force to write into it)')
+  assert rc == 1 and stderr.strip() == (
+      f'error: --out={tmp_path / "full"}: directory holds files dspec did not write (\'x\', '
+      '...); use a new directory (or pass --force to write into it; nothing in it is deleted)')

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dspec.checkpoint import leaf_paths
-from dspec.files import write_atomic, write_json_atomic
+from dspec.files import OUTPUT_KEY, write_atomic, write_json_atomic
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -30,6 +30,8 @@ def open_safetensors(path: str):
   """`safe_open` of one file; FileNotFoundError or ValueError naming it when it cannot."""
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path}: safetensors file is missing')
+  if not os.path.isfile(path):
+    raise ValueError(f'{path}: is a directory or special file, not a safetensors file')
   try:
     return safe_open(path, framework='flax')
   except SafetensorError as e:
@@ -105,9 +107,11 @@ def stored_tensors(model: nnx.Module, stored_name: Callable, dtype: str) -> dict
 
 def write_model_dir(path, config: dict, tensors: dict, dtype: str) -> None:
   """Writes `config.json` (with its `dtype` key set) and `model.safetensors` into the
-  directory `path`, each atomically."""
+  directory `path`, each atomically; the safetensors header marks the file as dspec's
+  (`dspec.files.written_by_dspec`), so a later export may replace it."""
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
+  metadata = {'format': 'pt', OUTPUT_KEY: 'drafter export'}
   write_atomic(os.path.join(path, SINGLE_FILE),
-               lambda tmp: save_file(tensors, tmp, metadata={'format': 'pt'}))
+               lambda tmp: save_file(tensors, tmp, metadata=metadata))
   write_json_atomic(os.path.join(path, 'config.json'), dict(config, dtype=dtype), indent=2)
