@@ -7,22 +7,122 @@
   out.texts, out.ids, out.metrics['tau'], out.per_prompt
 
 Greedy output (temperature 0) equals what the target alone generates, token for token;
-sampled output has the target's distribution. Bad arguments raise ValueError naming them.
+sampled output has the target's distribution. Every argument is checked before anything
+loads or compiles: a wrong type or value raises ValueError naming the argument and the
+value, and nothing is coerced (a float `max_new_tokens`, float token ids, bytes or a dict of
+prompts are refused, not converted).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 from typing import Any, Optional, Sequence
 
 import ml_collections
+import numpy as np
 
 from dspec import loading
 from dspec.decoding import runner
 from dspec.decoding.drafters import registry
 
 Target = runner.Target
+INT32_MAX = 2 ** 31 - 1
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value) -> bool:
+  return _is_int(value) or isinstance(value, (float, np.floating))
+
+
+def _int(name: str, value, low: int, high: int = INT32_MAX) -> int:
+  if not _is_int(value):
+    raise ValueError(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
+  if not low <= value <= high:
+    raise ValueError(f'{name} must be in [{low}, {high}], got {value}')
+  return int(value)
+
+
+def _float(name: str, value, low: float, high: float = math.inf, *,
+           low_open: bool = False) -> float:
+  if not _is_number(value):
+    raise ValueError(f'{name} must be a number, got {value!r} ({type(value).__name__})')
+  value = float(value)
+  if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+    lo = '(' if low_open else '['
+    raise ValueError(f'{name} must be a finite number in {lo}{low:g}, {high:g}], got {value}')
+  return value
+
+
+def _bool(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{name} must be True or False, got {value!r}')
+  return bool(value)
+
+
+def _path(name: str, value, optional: bool = False) -> str:
+  if optional and value in (None, ''):
+    return ''
+  if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+    raise ValueError(f'{name} must be a path (str or os.PathLike), got {value!r} '
+                     f'({type(value).__name__})')
+  path = os.fspath(value)
+  if not isinstance(path, str) or not path:
+    raise ValueError(f'{name} must be a non-empty path, got {value!r}')
+  return path
+
+
+def _prompt_rows(prompts) -> list:
+  """`prompts` checked: a non-empty list or tuple of strings or of token-id sequences."""
+  if not isinstance(prompts, (list, tuple)):
+    hint = (' (wrap a single prompt in a list)' if isinstance(prompts, (str, bytes)) else '')
+    raise ValueError(f'prompts must be a list of strings or token-id lists{hint}, got '
+                     f'{type(prompts).__name__} {prompts!r:.60}')
+  if not prompts:
+    raise ValueError('prompts must be a non-empty list of strings or token-id lists')
+  rows = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, str):
+      rows.append(prompt)
+      continue
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+      prompt = prompt.tolist() if np.issubdtype(prompt.dtype, np.integer) else list(prompt)
+    if not isinstance(prompt, (list, tuple)):
+      raise ValueError(f'prompts[{i}] must be a string or a list of token ids, got '
+                       f'{type(prompt).__name__} {prompt!r:.60}')
+    bad = [t for t in prompt if not _is_int(t)]
+    if bad:
+      raise ValueError(f'prompts[{i}] must hold integer token ids, got {bad[0]!r} '
+                       f'({type(bad[0]).__name__})')
+    rows.append([int(t) for t in prompt])
+  return rows
+
+
+def _field_value(kind: str, name: str, default, value):
+  """A drafter field override checked against the type of its default."""
+  where = f'{kind} drafter field {name}'
+  if isinstance(default, bool):
+    return _bool(where, value)
+  if isinstance(default, int):
+    return _int(where, value, -INT32_MAX)
+  if isinstance(default, float):
+    return _float(where, value, -math.inf)
+  if isinstance(default, str):
+    if name == 'path':
+      return _path(where, value)
+    if not isinstance(value, str):
+      raise ValueError(f'{where} must be a string, got {value!r}')
+    return value
+  if isinstance(default, (list, tuple)):
+    if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
+      raise ValueError(f'{where} must be a list of numbers, got {value!r}')
+    return list(value)
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +154,9 @@ class Generation:
 def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096) -> Target:
   """A dspec target checkpoint or a Hugging Face Llama/Qwen3 directory (detected), with its
   tokenizer (from `tokenizer_dir`, else the model directory, else bytes)."""
+  path = _path('path', path)
+  tokenizer_dir = _path('tokenizer_dir', tokenizer_dir, optional=True)
+  max_seq_len = _int('max_seq_len', max_seq_len, 2)
   model_cfg = ml_collections.ConfigDict({
       'source': loading.target_source(path), 'path': path, 'tokenizer_dir': tokenizer_dir,
       'seed': 0, 'max_seq_len': max_seq_len, 'shape': {}})
@@ -68,8 +171,10 @@ def load_drafter(kind: str, path: Optional[str] = None, *, target: Target,
   `path`: the checkpoint of a learned drafter (mtp, dflash). `overrides` set fields of its
   config (`registry.DEFAULTS[kind]`), e.g. `num_draft=7`.
   """
-  if kind not in registry.known():
+  if not isinstance(kind, str) or kind not in registry.known():
     raise ValueError(f'unknown drafter {kind!r}; known: {", ".join(registry.known())}')
+  if not isinstance(target, Target):
+    raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')
   cfg = ml_collections.ConfigDict({'drafter': kind,
                                    'drafters': copy.deepcopy(registry.DEFAULTS)})
   if kind != 'none':
@@ -80,7 +185,7 @@ def load_drafter(kind: str, path: Optional[str] = None, *, target: Target,
       if name not in fields:
         raise ValueError(f'{kind} drafter has no field {name!r}; fields: '
                          f'{", ".join(sorted(fields))}')
-      fields[name] = value
+      fields[name] = _field_value(kind, name, fields[name], value)
   elif path is not None or overrides:
     raise ValueError("the 'none' drafter takes no path or fields")
   drafter, params = registry.build_drafter(cfg, target.model)
@@ -101,17 +206,23 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   included, so a drafter that does not pay falls back to AR) or 'fixed' (always
   `num_draft`).
   """
-  if isinstance(prompts, (str, bytes)):
-    raise ValueError('prompts must be a list of strings or token-id lists '
-                     '(wrap a single prompt in a list)')
+  if not isinstance(target, Target):
+    raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')
+  rows = _prompt_rows(prompts)
   if drafter is not None and not isinstance(drafter, Drafter):
-    raise ValueError('drafter must come from dspec.load_drafter')
-  settings = runner.Settings(max_new_tokens=int(max_new_tokens),
-                             temperature=float(temperature), top_k=int(top_k),
-                             top_p=float(top_p), seed=int(seed),
-                             timing_repeats=int(timing_repeats))
-  out = runner.decode(target, list(prompts), drafter and drafter.drafter,
+    raise ValueError(f'drafter must come from dspec.load_drafter (or be None), got '
+                     f'{type(drafter).__name__}')
+  if verify_length not in runner.VERIFY_LENGTHS:
+    raise ValueError(f'verify_length must be one of {runner.VERIFY_LENGTHS}, got '
+                     f'{verify_length!r}')
+  settings = runner.Settings(
+      max_new_tokens=_int('max_new_tokens', max_new_tokens, 1, INT32_MAX // 2),
+      temperature=_float('temperature', temperature, 0.0),
+      top_k=_int('top_k', top_k, 0), top_p=_float('top_p', top_p, 0.0, 1.0, low_open=True),
+      seed=_int('seed', seed, 0), timing_repeats=_int('timing_repeats', timing_repeats, 0))
+  out = runner.decode(target, rows, drafter and drafter.drafter,
                       drafter and drafter.params, settings=settings,
-                      batch_size=int(batch_size), compare_ar=compare_ar,
-                      verify_length=verify_length, trace=trace)
+                      batch_size=_int('batch_size', batch_size, 0),
+                      compare_ar=_bool('compare_ar', compare_ar),
+                      verify_length=verify_length, trace=_bool('trace', trace))
   return Generation(**out)
