@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -16,6 +17,19 @@ flags.DEFINE_string(
 
 _USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
 _OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_default_config: list = []   # the default --config of the running script (define_config)
+
+
+def define_config(default, help_string: str):
+  """Defines the locked ml_collections `--config` flag. A `default` (a path relative to the
+  repository) is applied at flag parsing, not at definition: so a bad `--config.<field>`
+  override of the default config is one error line, from any working directory."""
+  from ml_collections import config_flags
+  if default:
+    here = default if os.path.isfile(default.split(':', 1)[0]) else os.path.join(_REPO, default)
+    _default_config.append(here)
+  return config_flags.DEFINE_config_file('config', None, help_string, lock_config=True)
 
 
 def _user_error_types():
@@ -54,18 +68,45 @@ def _renamed_config_field(path: str):
   return legacy_field_message(path)
 
 
-def _exit_with(message: str):
+def _unknown_field(argv, error: BaseException) -> str:
+  """The message for a `--config.<path>` override the config lacks: the first such path,
+  with its near matches (the config file is loaded again without the overrides)."""
+  from dspec.config_checks import unknown_field_message
+  fallback = (f'unknown config field {str(error).strip(chr(34) + chr(39))!r} '
+              '(check the --config.<field> names)')
+  paths = [a[len('--config.'):].split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')]
+  files = [a[len('--config='):] for a in argv[1:] if a.startswith('--config=')]
+  try:
+    cfg = flags.FLAGS['config'].parser.parse(files[-1])
+  except Exception:  # pylint: disable=broad-except  (no --config=, or it does not load)
+    return fallback
+  messages = (unknown_field_message(cfg, path) for path in paths)
+  return next((m for m in messages if m), fallback)
+
+
+def _config_attribute_error(e: AttributeError):
+  """The missing field of an ml_collections ConfigDict lookup, or None for other errors."""
+  tb = e.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  if tb is None or 'ml_collections' not in tb.tb_frame.f_code.co_filename:
+    return None
+  return str(e).strip('"\'')
+
+
+def _exit_with(message: str, status: int = 1):
   print(f'error: {message}', file=sys.stderr)
-  sys.exit(1)
+  sys.exit(status)
 
 
 def run(main):
   """`absl.app.run(main)`, printing `error: <message>` instead of a traceback.
 
   Mapped to one line and exit 1: bad flags or config files, UserError, ValueError, OSError,
-  KeyError, OverflowError, CheckpointError, and out-of-memory (XLA RESOURCE_EXHAUSTED or
-  MemoryError, with a hint to shrink the batch). Anything else is a bug and keeps its
-  traceback.
+  KeyError, OverflowError, CheckpointError, a config lacking a field the script reads, and
+  out-of-memory (XLA RESOURCE_EXHAUSTED or MemoryError, with a hint to shrink the batch).
+  Ctrl-C unwinds the stack (locks released, temporary files removed) and exits 130 with
+  one line. Anything else is a bug and keeps its traceback.
   """
 
   def wrapped(argv):
@@ -75,12 +116,22 @@ def run(main):
       return main(argv)
     except _user_error_types() as e:
       _exit_with(_first_line(e))
+    except AttributeError as e:   # a config without a field the script reads
+      missing = _config_attribute_error(e)
+      if missing is None:
+        raise
+      _exit_with(f'the config has no field {missing!r} (is it a config for another script?)')
     except Exception as e:  # pylint: disable=broad-except
       if _out_of_memory(e):
         _exit_with(_oom_message(e))
       raise
+    except KeyboardInterrupt:
+      _exit_with('interrupted', 128 + signal.SIGINT)
 
   def parse_flags(argv):
+    if _default_config and not any(a == '--config' or a.startswith('--config=')
+                                   for a in argv[1:]):
+      argv = argv[:1] + [f'--config={_default_config[0]}'] + argv[1:]
     for arg in argv[1:]:
       if arg.startswith('--config=') and not os.path.isfile(arg[9:].split(':', 1)[0]):
         _exit_with(f'config file not found: {arg[9:].split(":", 1)[0]}')
@@ -91,8 +142,7 @@ def run(main):
     try:
       return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:   # ml_collections: `--config.<unknown>=...`
-      _exit_with(f'unknown config key {str(e).strip(chr(34) + chr(39))!r} '
-                 f'(check the --config.<field> names)')
+      _exit_with(_unknown_field(argv, e))
     except (flags.Error, ValueError, TypeError, OSError, SyntaxError) as e:
       _exit_with(_first_line(e))
 

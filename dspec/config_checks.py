@@ -6,6 +6,7 @@ must fit int32 (they end up in int32 device arrays or numpy seeds); floats must 
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Optional, Sequence
 
@@ -145,3 +146,36 @@ def legacy_field_message(path: str):
   if new is None:
     return f'config field {path} was removed (it had no effect)'
   return f'config field {path} was renamed: use {new}'
+
+
+def _fields(node) -> list:
+  return sorted(node.keys()) if hasattr(node, 'keys') else []
+
+
+def unknown_field_message(cfg, path: str) -> Optional[str]:
+  """One line for a dotted config path that `cfg` does not have (naming its near matches
+  and the fields of the section it is missing from), or None when the path exists."""
+  node, walked = cfg, []
+  for part in path.split('.'):
+    if not hasattr(node, 'keys'):
+      return (f'config field {".".join(walked)} is a value, not a section: '
+              f'{path} does not exist')
+    if part in node:
+      node, walked = node[part], walked + [part]
+      continue
+    fields = _fields(node)
+    where = '.'.join(walked) or 'the config'
+    near = difflib.get_close_matches(part, fields, n=3, cutoff=0.6)
+    hint = f'did you mean {" or ".join(".".join(walked + [n]) for n in near)}? ' if near else ''
+    shown = ', '.join(fields[:20]) + (', ...' if len(fields) > 20 else '')
+    return f'unknown config field {path}: {hint}{where} has: {shown}'
+  return None
+
+
+def require_sections(cfg, sections: Sequence[str], script: str, config_file: str) -> None:
+  """UserError unless `cfg` has every top-level field `script` reads (a config meant for
+  another script, e.g. a decode config given to train.py, fails here in one line)."""
+  missing = [name for name in sections if name not in cfg]
+  if missing:
+    raise UserError(f'{config_file} is not a {script} config: it has no '
+                    f'{", ".join(repr(m) for m in missing)} field')

@@ -6,7 +6,8 @@ phase go to stderr; `--quiet` drops them, `--verbosity=1` shows library logs).
 acceptance_rate, per_position_acceptance, acceptance_lengths, tokens_per_s,
 ar_tokens_per_s, speedup, lossless, output_ids, ...); `--trace_json=PATH` writes row 0's
 per-step trace (proposed tokens, accepted count, committed tokens). Bad input ends with one
-`error: ...` line and exit code 1; JSON files are written atomically.
+`error: ...` line and exit code 1; JSON files are written atomically, and an existing file is
+replaced only when dspec wrote it (else `--force`); both paths are checked before decoding.
 """
 
 import os
@@ -15,16 +16,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli, console  # noqa: E402
+from dspec import cli, config_checks, console  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
-                                          lock_config=True)
+_CONFIG = cli.define_config('configs/demo.py', 'Decode config file.')
 _PROMPT = flags.DEFINE_multi_string('prompt', None, 'Prompt text (repeat for a batch).')
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'Comma-separated prompt token ids.')
 _METRICS_JSON = flags.DEFINE_string('metrics_json', None, 'Where to write the metrics JSON.')
 _TRACE_JSON = flags.DEFINE_string('trace_json', None, "Where to write row 0's step trace.")
+_FORCE = flags.DEFINE_bool('force', False, 'Replace --metrics_json / --trace_json files that '
+                           'dspec did not write.')
 
 _METRIC_KEYS = ('method', 'temperature', 'new_tokens', 'tau', 'acceptance_rate',
                 'tokens_per_s', 'ar_tokens_per_s', 'speedup', 'lossless', 'compile_s')
@@ -37,6 +38,19 @@ def _parse_ids(text: str) -> list:
     raise cli.UserError(f'--prompt_ids must be comma-separated integers, got {text!r}')
 
 
+def _check_outputs(cfg, files) -> None:
+  """The output-path policy (`dspec.files`) for --metrics_json and --trace_json."""
+  outputs = {'--metrics_json': _METRICS_JSON.value, '--trace_json': _TRACE_JSON.value}
+  inputs = {'--config.model.path': cfg.model.path,
+            '--config.model.tokenizer_dir': cfg.model.tokenizer_dir}
+  if cfg.drafter in cfg.drafters:
+    inputs[f'--config.drafters.{cfg.drafter}.path'] = cfg.drafters[cfg.drafter].get('path')
+  files.check_distinct(outputs, inputs)
+  for flag, path in outputs.items():
+    if path is not None:
+      files.check_output_file(path, flag, force=_FORCE.value)
+
+
 def main(argv):
   del argv
   from dspec import sharding
@@ -45,8 +59,11 @@ def main(argv):
   from dspec import files  # heavy imports after flag parsing
   from dspec.decoding import runner
   cfg = _CONFIG.value
+  config_checks.require_sections(cfg, ('drafter', 'drafters', 'model'), 'scripts/decode.py',
+                                 flags.FLAGS['config'].config_filename)
   if _PROMPT_IDS.value is not None and _PROMPT.value:
     raise cli.UserError('give either --prompt or --prompt_ids, not both')
+  _check_outputs(cfg, files)
   prompts = [_parse_ids(_PROMPT_IDS.value)] if _PROMPT_IDS.value is not None else _PROMPT.value
   report = runner.run_decode(cfg, prompts, trace=bool(_TRACE_JSON.value), progress=status)
   print(f"prompt:\n{report['prompt']}\n----- continuation -----\n{report['text']}\n"
@@ -55,9 +72,9 @@ def main(argv):
       f'{k}={report[k]:.3f}' if isinstance(report[k], float) else f'{k}={report[k]}'
       for k in _METRIC_KEYS))
   if _TRACE_JSON.value:
-    files.write_json_atomic(_TRACE_JSON.value, report.pop('trace'))
+    files.write_json_atomic(_TRACE_JSON.value, files.mark(report.pop('trace'), 'decode trace'))
   if _METRICS_JSON.value:
-    files.write_json_atomic(_METRICS_JSON.value, report)
+    files.write_json_atomic(_METRICS_JSON.value, files.mark(report, 'decode metrics'))
 
 
 if __name__ == '__main__':

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli, console  # noqa: E402
+from dspec import cli, config_checks, console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.',
                                           lock_config=True)
@@ -27,6 +27,8 @@ def main(argv):
   sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec.training import tasks  # heavy imports after flag parsing
   cfg = _CONFIG.value
+  config_checks.require_sections(cfg, ('training', 'model'), 'scripts/train.py',
+                                 flags.FLAGS['config'].config_filename)
   workdir = _WORKDIR.value or cfg.training.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
   status(f'training {cfg.training.task} in {workdir} (metrics: one JSON line per '

@@ -24,9 +24,11 @@ def pad_prompts(rows: Sequence[Sequence[int]], batch_size: int = 0,
 
 
 def encode_prompts(prompts: Sequence, tokenizer, vocab_size: int, max_total: int,
-                   max_new_tokens: int) -> list[list[int]]:
+                   max_new_tokens: int, num_draft: int = 0,
+                   drafter: str = 'drafter') -> list[list[int]]:
   """Token-id rows of text or token-id prompts, checked against the vocabulary and the
-  model context (ValueError naming the problem)."""
+  model context (ValueError naming the problem): a verify step reaches `num_draft` tokens
+  past the last committed one, so prompt + max_new_tokens + num_draft must fit it."""
   if isinstance(prompts, (str, bytes)) or not len(prompts):
     raise ValueError('prompts must be a non-empty list of strings or token-id lists')
   ids = []
@@ -44,9 +46,10 @@ def encode_prompts(prompts: Sequence, tokenizer, vocab_size: int, max_total: int
     bad = [t for t in row if not 0 <= t < vocab_size]
     if bad:
       raise ValueError(f'prompt token ids {bad[:5]} out of range for vocab size {vocab_size}')
-    if len(row) + max_new_tokens > max_total:
-      raise ValueError(f'prompt of {len(row)} tokens + max_new_tokens={max_new_tokens} '
-                       f'exceeds the model context of {max_total} tokens')
+    if len(row) + max_new_tokens + num_draft > max_total:
+      drafts = f' + num_draft={num_draft} ({drafter})' if num_draft else ''
+      raise ValueError(f'prompt of {len(row)} tokens + max_new_tokens={max_new_tokens}'
+                       f'{drafts} exceeds the model context of {max_total} tokens')
     ids.append(row)
   return ids
 

@@ -238,7 +238,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   drafter = drafter or drafter_lib.NoDrafter()
   spec = settings.sampling()
   rows = encode_prompts(prompts, target.tokenizer, target.model.cfg.vocab_size,
-                        target.max_seq_len, settings.max_new_tokens)
+                        target.max_seq_len, settings.max_new_tokens, int(drafter.num_draft),
+                        f'drafters.{registry.name_of(drafter)}.num_draft')
   if batch_size and batch_size < len(rows):
     raise ValueError(f'{len(rows)} prompts do not fit batch_size={batch_size}')
   prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows))
