@@ -1,8 +1,10 @@
-"""Issue 15: corrupted checkpoints are detected, user files are never deleted or clobbered,
-bad input gets one `error:` line, and NaN never passes silently.
+"""Issues 15 and 39: corrupted checkpoints are detected, user files are never deleted or
+clobbered, bad input gets one `error:` line (CLI) or a ValueError naming the argument (API),
+and NaN never passes silently.
 
-Sections follow the issue: data loss, silently wrong, tracebacks. The full red-team sweep
-(~240 CLI and API cases, ~25 min) is `python scripts/redteam.py`, not a test.
+Sections follow the issues: data loss, silently wrong, tracebacks; then issue 39's classes:
+the output-path policy, API argument validation, config errors, errors naming their file,
+locks and manifests. The full red-team sweep is `python scripts/redteam.py`, not a test.
 """
 
 import glob
@@ -525,3 +527,234 @@ def test_cli_wrapper_maps_oom_and_overflow_to_one_line(raised, expected):
   proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                         timeout=60)
   _one_error_line(proc.returncode, proc.stderr, expected)
+
+
+# ==================================================== issue 39: the output-path policy
+# A dspec-written file may be replaced; anything else only with --force; symlinks refused
+# the same way everywhere; no two outputs on one path, none inside an input; a directory
+# dspec did not write is never emptied; new files get the umask's mode.
+
+def test_a_file_dspec_did_not_write_is_refused_unless_forced(tmp_path):
+  theirs = tmp_path / 'm.json'
+  theirs.write_text('{"mine": true}')
+  with pytest.raises(files.OutputPathError, match='not written by dspec.*--force'):
+    files.check_output_file(str(theirs), '--metrics_json')
+  files.check_output_file(str(theirs), '--metrics_json', force=True)
+  ours = tmp_path / 'ours.json'
+  files.write_json_atomic(str(ours), files.mark({'tau': 1.0}, 'decode metrics'))
+  files.check_output_file(str(ours), '--metrics_json')          # an earlier run's: replaced
+  files.check_output_file(str(tmp_path / 'new.json'), '--metrics_json')
+  (tmp_path / 'link.json').symlink_to(ours)
+  for force in (False, True):
+    with pytest.raises(files.OutputPathError, match='--metrics_json=.*symlink'):
+      files.check_output_file(str(tmp_path / 'link.json'), '--metrics_json', force=force)
+  with pytest.raises(files.OutputPathError, match='directory'):
+    files.check_output_file(str(tmp_path), '--metrics_json', force=True)
+
+
+def test_two_outputs_on_one_path_or_an_output_inside_an_input_are_refused(tmp_path):
+  with pytest.raises(files.OutputPathError, match='--metrics_json and --trace_json name the '
+                     'same file'):
+    files.check_distinct({'--metrics_json': 'a.json', '--trace_json': './a.json'})
+  ckpt = tmp_path / 'ckpt'
+  ckpt.mkdir()
+  with pytest.raises(files.OutputPathError, match='inside the input --path'):
+    files.check_distinct({'--out': str(ckpt / 'export')}, {'--path': str(ckpt)})
+  files.check_distinct({'--out': str(tmp_path / 'export')}, {'--path': str(ckpt)})
+
+
+def test_decode_refuses_bad_outputs_before_loading_anything(tmp_path):
+  (tmp_path / 'theirs.json').write_text('years of work')
+  for args, message in [
+      ((f'--metrics_json={tmp_path}/a.json', f'--trace_json={tmp_path}/a.json'),
+       'name the same file'),
+      ((f'--metrics_json={tmp_path}/theirs.json',), 'not written by dspec'),
+      (('--metrics_json=demo/target/m.json',), 'inside the input --config.model.path')]:
+    rc, _, stderr = _run_script('decode.py', '--config=configs/tiny.py',
+                                '--config.model.source=random', '--config.model.path=demo/target',
+                                *args, timeout=120)
+    _one_error_line(rc, stderr, message)
+  assert (tmp_path / 'theirs.json').read_text() == 'years of work'
+  assert not os.path.exists(os.path.join(REPO_ROOT, 'demo', 'target', 'm.json'))
+
+
+def test_a_directory_dspec_did_not_write_is_never_emptied(tmp_path):
+  from dspec.bench import report
+  theirs = tmp_path / 'theirs'
+  theirs.mkdir()
+  (theirs / report.RESULTS).write_text('[{"mine": true}]')
+  rc, _, stderr = _run_script('benchmark.py', '--config=configs/bench_tiny.py',
+                              f'--out_dir={theirs}', timeout=120)
+  _one_error_line(rc, stderr, 'holds files dspec did not write')
+  assert (theirs / report.RESULTS).read_text() == '[{"mine": true}]'
+  report.remove_stale(str(theirs))   # also with --force: nothing of theirs is deleted
+  assert (theirs / report.RESULTS).exists()
+  ours = tmp_path / 'ours'
+  ours.mkdir()
+  (ours / report.RESULTS).write_text('[]')
+  report.write_json_atomic(str(ours / report.META), report.mark({}, 'benchmark meta'))
+  files.check_output_dir(str(ours), '--out_dir', ours=report.is_benchmark_dir)
+  report.remove_stale(str(ours))
+  assert not (ours / report.RESULTS).exists()
+
+
+def test_distill_into_an_unrelated_folder_needs_force(tmp_path):
+  from configs import distill_demo
+  from dspec.training import distill
+  (tmp_path / 'thesis.tex').write_text('years of work')
+  with pytest.raises(files.OutputPathError, match='--out_dir=.*did not write.*--force'):
+    distill.distill(distill_demo.get_config('tiny'), str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ['thesis.tex']
+
+
+def test_exported_safetensors_get_the_umask_mode_and_a_dspec_mark(tmp_path):
+  from dspec.models.formats.safetensors_io import write_model_dir
+  old = os.umask(0o022)
+  try:
+    write_model_dir(tmp_path / 'out', {'a': 1}, {'w': np.zeros((2, 2), np.float32)},
+                    'float32')
+  finally:
+    os.umask(old)
+  modes = {name: stat.S_IMODE(os.stat(tmp_path / 'out' / name).st_mode)
+           for name in ('model.safetensors', 'config.json')}
+  assert modes == {'model.safetensors': 0o644, 'config.json': 0o644}
+  assert files.written_by_dspec(str(tmp_path / 'out' / 'model.safetensors'))
+
+
+# ======================================================= issue 39: API argument validation
+
+@pytest.fixture(scope='module')
+def api_target(tiny_target):
+  from dspec import api
+  from dspec.tokenizer import ByteTokenizer
+  return api.Target(tiny_target, ByteTokenizer(), 64)   # ids only: no text is encoded
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(prompts=None), 'prompts must be a list'),
+    (dict(prompts={'a': 1}), 'prompts must be a list'),
+    (dict(prompts=[b'abc']), r'prompts\[0\] must be a string or a list of token ids'),
+    (dict(prompts=b'abc'), 'wrap a single prompt'),
+    (dict(prompts=[[1.0, 2.0]]), r'prompts\[0\] must hold integer token ids, got 1.0'),
+    (dict(prompts=[[True, 2]]), r'prompts\[0\] must hold integer token ids, got True'),
+    (dict(max_new_tokens=8.0), 'max_new_tokens must be an integer, got 8.0'),
+    (dict(max_new_tokens='8'), "max_new_tokens must be an integer, got '8'"),
+    (dict(max_new_tokens=0), r'max_new_tokens must be in \[1,'),
+    (dict(temperature=None), 'temperature must be a number, got None'),
+    (dict(temperature=float('inf')), 'temperature must be a finite number'),
+    (dict(top_p=0.0), 'top_p must be a finite number in \\(0'),
+    (dict(top_k=2.5), 'top_k must be an integer, got 2.5'),
+    (dict(seed=-1), r'seed must be in \[0,'),
+    (dict(batch_size=None), 'batch_size must be an integer'),
+    (dict(compare_ar='yes'), "compare_ar must be True or False, got 'yes'"),
+    (dict(verify_length='fast'), "verify_length must be one of"),
+    (dict(drafter='ngram'), 'drafter must come from dspec.load_drafter'),
+])
+def test_generate_refuses_bad_arguments_naming_them(api_target, kwargs, message):
+  import dspec
+  kwargs = dict(dict(prompts=[[1, 2, 3]], max_new_tokens=4), **kwargs)
+  with pytest.raises(ValueError, match=message):
+    dspec.generate(api_target, kwargs.pop('prompts'), **kwargs)
+
+
+def test_load_functions_refuse_bad_arguments_naming_them(api_target, tmp_path):
+  import dspec
+  for call, message in [
+      (lambda: dspec.load_target(None), 'path must be a path .*None'),
+      (lambda: dspec.load_target(123), 'path must be a path .*123'),
+      (lambda: dspec.load_target(b'demo/target'), 'path must be a path'),
+      (lambda: dspec.load_target(str(tmp_path), max_seq_len=2.5), 'max_seq_len must be an '
+       'integer'),
+      (lambda: dspec.load_drafter('ngram', target='t'), 'target must come from '
+       'dspec.load_target'),
+      (lambda: dspec.load_drafter('ngram', target=api_target, num_draft=4.0),
+       'ngram drafter field num_draft must be an integer, got 4.0'),
+      (lambda: dspec.load_drafter('mtp', 7, target=api_target), 'mtp drafter field path must '
+       'be a path')]:
+    with pytest.raises(ValueError, match=message):
+      call()
+
+
+def test_num_draft_is_checked_with_the_prompt_against_the_context(api_target):
+  import dspec
+  drafter = dspec.load_drafter('ngram', target=api_target, num_draft=100000)
+  with pytest.raises(ValueError, match=r'prompt of 3 tokens \+ max_new_tokens=4 \+ '
+                     r'num_draft=100000 \(drafters.ngram.num_draft\) exceeds the model '
+                     'context of 64 tokens'):
+    dspec.generate(api_target, [[1, 2, 3]], drafter=drafter, max_new_tokens=4)
+
+
+# ============================================================ issue 39: CLI config errors
+
+def test_unknown_config_fields_name_the_path_and_near_matches():
+  from configs import tiny
+  cfg = tiny.get_config()
+  assert config_checks.unknown_field_message(cfg, 'drafters.mtp.path') is None
+  message = config_checks.unknown_field_message(cfg, 'drafters.mtp.num_drafts')
+  assert message.startswith('unknown config field drafters.mtp.num_drafts: did you mean '
+                            'drafters.mtp.num_draft? drafters.mtp has: num_draft, path')
+  assert 'the config has: batch_size' in config_checks.unknown_field_message(cfg, 'bogus')
+  assert 'is a value, not a section' in config_checks.unknown_field_message(
+      cfg, 'max_new_tokens.x')
+
+
+@pytest.mark.parametrize('script, args, message', [
+    ('decode.py', ['--config.drafters.mtp.bogus=1'], 'unknown config field drafters.mtp.bogus'),
+    ('decode.py', ['--config.max_new_tokns=3'], 'did you mean max_new_tokens?'),
+    ('train.py', ['--config=configs/tiny.py', '--workdir=/tmp/unused_run'],
+     "configs/tiny.py is not a scripts/train.py config: it has no 'training' field"),
+])
+def test_config_errors_are_one_line_naming_the_field(script, args, message):
+  """decode.py without --config= overrides its default config (applied at parse time)."""
+  rc, _, stderr = _run_script(script, *args, timeout=120)
+  _one_error_line(rc, stderr, message)
+
+
+# ======================================================= issue 39: errors name their file
+
+def test_corrupt_partial_results_and_a_safetensors_directory_are_named(tmp_path):
+  from dspec.bench import report
+  from dspec.models.formats.safetensors_io import tensor_files
+  partial = tmp_path / report.PARTIAL
+  partial.write_text('{"config": "\x01')
+  with pytest.raises(ValueError, match=f'{partial}: not a valid partial-results file'):
+    report.read_partial(str(partial))
+  (tmp_path / 'model.safetensors').mkdir()
+  with pytest.raises(ValueError, match='model.safetensors: is a directory'):
+    tensor_files(str(tmp_path))
+
+
+# ============================================================ issue 39: locks and manifests
+
+def test_a_lock_is_removed_on_exit_and_a_killed_holders_lock_is_taken_over(tmp_path):
+  run = str(tmp_path / 'run')
+  with files.directory_lock(run, 'distillation'):
+    assert os.path.exists(os.path.join(run, files.LOCK_FILE))
+  assert os.listdir(run) == []
+  holder = subprocess.Popen([sys.executable, '-c', textwrap.dedent(f'''
+      import sys, time
+      sys.path.insert(0, {REPO_ROOT!r})
+      from dspec.files import directory_lock
+      with directory_lock({run!r}, 'distillation'):
+        print('locked', flush=True)
+        time.sleep(60)''')], stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == 'locked'
+  holder.send_signal(signal.SIGKILL)
+  holder.wait()
+  assert os.path.exists(os.path.join(run, files.LOCK_FILE))   # left behind by kill -9
+  with files.directory_lock(run, 'distillation'):              # stale: taken over
+    pass
+  assert os.listdir(run) == []
+
+
+def test_a_manifest_without_shards_from_a_killed_run_restarts(tmp_path):
+  from dspec.training import distill
+  files.write_json_atomic(str(tmp_path / 'manifest.json'), {
+      'fingerprint': 'other settings', 'shards': [], 'complete': False})
+  manifest = distill._open_manifest(str(tmp_path), 'these settings', {'target_sha256': 'a'},
+                                    3, 0.0)
+  assert manifest['fingerprint'] == 'these settings' and manifest['shards'] == []
+  files.write_json_atomic(str(tmp_path / 'manifest.json'), {
+      'fingerprint': 'other settings', 'shards': ['shard_00000.npz'], 'complete': False})
+  with pytest.raises(ValueError, match='other settings'):
+    distill._open_manifest(str(tmp_path), 'these settings', {}, 3, 0.0)
