@@ -390,6 +390,11 @@ class Benchmark:
       if self.bench.max_prompt_tokens > 0:
         ids = [row[-self.bench.max_prompt_tokens:] for row in ids]
       self.prompts[name] = ids
+    longest = max((int(d.num_draft), m) for (m, _), (d, _) in self.drafters.items()) \
+        if self.drafters else (0, 'ar')
+    for name, ids in self.prompts.items():   # before anything compiles
+      encode_prompts(ids, self.tokenizer, self.target.cfg.vocab_size, self.max_seq_len,
+                     cfg.max_new_tokens, longest[0], f'bench method {longest[1]} size')
     self.verify_lengths = verify_lengths(cfg)
     self.rows, self.entropy, self.peer_runs = [], {}, {}
     self.engines, self.draft_costs = {}, {}
