@@ -1,5 +1,6 @@
 """The Python API: load_target, load_drafter, generate (texts, ids, metrics, traces, errors)."""
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -53,6 +54,12 @@ def test_a_drafter_gives_the_ar_output(target, ar, verify_length):
     assert s['committed'][:s['accepted']] == s['proposed'][:s['accepted']]
   if verify_length == 'auto':
     assert all('tier' in s for s in steps)
+
+
+def test_numpy_ids_and_tuples_are_taken_as_they_are(target, ar):
+  """Validation refuses coercion, not numpy integers or tuples (issue 39)."""
+  ids = tuple(np.asarray(target.tokenizer.encode(p), np.int32) for p in PROMPTS)
+  assert dspec.generate(target, ids, max_new_tokens=np.int64(12)).ids == ar.ids
 
 
 def test_bad_arguments_name_the_problem(target):
