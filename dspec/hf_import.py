@@ -65,7 +65,10 @@ def load_hf_model(hf_dir, dtype: str = 'float32') -> tuple[Transformer, Transfor
   """
   hf_dir = os.fspath(hf_dir)
   hf_config = read_hf_config(hf_dir)
-  cfg = config_from_hf(hf_config, dtype)
+  try:
+    cfg = config_from_hf(hf_config, dtype)
+  except ValueError as e:
+    raise ValueError(f'{os.path.join(hf_dir, "config.json")}: {e}') from None
   nextn = hf_config.get('num_nextn_predict_layers')
   mtp_layers = tuple(f'model.layers.{cfg.num_layers + k}.'
                      for k in range(nextn if isinstance(nextn, int) else 0))

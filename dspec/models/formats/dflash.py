@@ -20,6 +20,7 @@ of them, is not read).
 
 A drafter imported from either form gets a `target_cfg` built from its own config (draft
 layer shapes; the target's width, vocabulary and depth) and z-lab's attention semantics.
+Every config field is read or listed as metadata (`config_fields`); any other is refused.
 Every format error is one line naming the key or tensor and the file.
 """
 
@@ -35,6 +36,8 @@ from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.config_fields import (DFLASH_LAYER_FIELDS, ZLAB_DRAFT_FIELDS,
+                                                ZLAB_FIELDS)
 from dspec.models.formats.drafter_dir import (ZLAB_ARCHITECTURES, ConfigKeys, FormatError,
                                               config_keys, fill_params, read_draft_layers,
                                               read_draft_vocab, read_drafter,
@@ -158,10 +161,12 @@ def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'fl
   if not kinds:
     raise top.error('architectures', f'names none of {sorted(ZLAB_ARCHITECTURES)}: {archs}')
   kind = kinds[0]
+  top.check_known(ZLAB_FIELDS)
   draft = config.get('dflash_config') or {}
   if not isinstance(draft, dict):
     raise top.error('dflash_config', 'must be an object')
   inner = ConfigKeys(draft, file, 'dflash_config.')
+  inner.check_known(ZLAB_DRAFT_FIELDS)
 
   def value(key, kind_, default=None, required=False):
     """dflash_config[key], else the top-level key, else the default (z-lab's order)."""
@@ -205,6 +210,7 @@ def read_speculators_config(path: str, kinds: tuple, num_target_layers: Optional
                      'directory: pass num_target_layers (the target depth)')
   layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
                      'transformer_layer_config.')
+  layer.check_known(DFLASH_LAYER_FIELDS)
   shapes, n, attention = _layer_shapes(layer, depth, dtype, ('qwen3', 'llama'))
   target_hidden = spec.get('target_hidden_size', int)
   if target_hidden not in (None, shapes.embed_dim):

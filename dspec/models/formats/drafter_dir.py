@@ -16,6 +16,9 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from dspec.models.config import TransformerConfig
+from dspec.models.formats.config_fields import (PROPOSAL_FIELDS, SPECULATORS_CONFIG_FIELDS,
+                                                SPECULATORS_FIELDS, VERIFIER_FIELDS,
+                                                unknown_fields)
 from dspec.models.formats.hf_config import rope_theta
 from dspec.models.formats.safetensors_io import open_safetensors, read_params
 
@@ -112,6 +115,19 @@ class ConfigKeys:
       raise self.error(key, f'must be {_KIND_NAMES[kind]}, got {value!r}')
     return float(value) if kind is float else value
 
+  def check_known(self, known) -> None:
+    """FormatError naming the first field of the config that is not in `known` (fields
+    read or known to be metadata): refused rather than silently ignored."""
+    unknown = unknown_fields(self.config, known)
+    if unknown:
+      more = f' ({len(unknown) - 1} more unknown)' if len(unknown) > 1 else ''
+      raise self.error(unknown[0], 'is not a field dspec reads or knows to be metadata: '
+                       f'refused rather than ignored{more}')
+
+  def nested(self, key: str) -> 'ConfigKeys':
+    """Typed reads from the object under `key` ({} when absent)."""
+    return ConfigKeys(self.get(key, dict, {}), self.file, f'{self.prefix}{key}.')
+
   def int_list(self, key, default=None, required=False):
     value = self.get(key, list, default, required)
     if value is not None and not all(isinstance(v, int) and not isinstance(v, bool)
@@ -134,6 +150,19 @@ def speculators_keys(path: str, kinds: tuple) -> tuple:
   if kind not in kinds:
     raise spec.error('speculators_model_type', f'must be {" or ".join(map(repr, kinds))}, '
                      f'got {kind!r}')
+  spec.check_known(SPECULATORS_FIELDS[kind])
+  if spec.get('tie_word_embeddings', bool, False):
+    raise spec.error('tie_word_embeddings', 'is true: a speculators drafter\'s head is not '
+                     'its embedding')
+  record = spec.nested('speculators_config')
+  record.check_known(SPECULATORS_CONFIG_FIELDS)
+  record.nested('verifier').check_known(VERIFIER_FIELDS)
+  methods = record.get('proposal_methods', list, [])
+  for i, method in enumerate(methods):
+    if not isinstance(method, dict):
+      raise record.error(f'proposal_methods[{i}]', f'must be an object, got {method!r}')
+    ConfigKeys(method, spec.file, f'{record.prefix}proposal_methods[{i}].').check_known(
+        PROPOSAL_FIELDS)
   return spec, kind
 
 

@@ -15,8 +15,11 @@ frozen copy and is not read (the target's embedding is used).
 
 Legacy form (SafeAILab EAGLE-3, SpecForge): a Llama config.json (`hidden_size`,
 `vocab_size` = the target's, `draft_vocab_size`, ...) and tensors named `midlayer.*` for
-layer 0; the taps are EAGLE-3's defaults for the target's depth (or given), a tap of the
+layer 0; the taps are SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids` when the
+config has them, else EAGLE-3's defaults for the target's depth (or given), a tap of the
 last layer read after the final norm as HF's hidden_states[L].
+
+Every config field is read or listed as metadata (`config_fields`); any other is refused.
 
 Every format error is one line naming the key or tensor and the file.
 """
@@ -32,6 +35,8 @@ from flax import nnx
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, default_target_layer_ids
 from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.config_fields import (DECODER_FIELDS, EAGLE_CONFIG_FIELDS,
+                                                LEGACY_EAGLE3_FIELDS)
 from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
                                               fill_params, read_draft_layers,
                                               read_draft_vocab, read_drafter,
@@ -116,6 +121,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
   spec, _ = speculators_keys(path, ('eagle3',))
   layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
                      'transformer_layer_config.')
+  layer.check_known(DECODER_FIELDS)
   depth = target_cfg.num_layers if target_cfg is not None else verifier_depth(spec)
   if depth is None:
     raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
@@ -143,11 +149,34 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
   return _build(path, fields, shapes, tensors)
 
 
+def _legacy_taps(keys: ConfigKeys, depth: int, taps: Optional[Sequence[int]]) -> tuple:
+  """0-based taps of a legacy checkpoint: SGLang's `eagle_config.eagle_aux_hidden_state_
+  layer_ids` (hidden-state indices, as speculators'), else `taps`, else EAGLE-3's defaults;
+  a `taps` that disagrees with the config is a FormatError."""
+  eagle = keys.nested('eagle_config')
+  eagle.check_known(EAGLE_CONFIG_FIELDS)
+  if not eagle.get('use_aux_hidden_state', bool, True):
+    raise eagle.error('use_aux_hidden_state', 'is false: an EAGLE-3 drafter fuses aux '
+                      'hidden states')
+  aux = eagle.int_list('eagle_aux_hidden_state_layer_ids')
+  if aux is None:
+    return tuple(taps) if taps else default_target_layer_ids(depth)
+  if not aux or min(aux) < 0 or max(aux) > depth:
+    raise eagle.error('eagle_aux_hidden_state_layer_ids', f'{aux} are not hidden-state '
+                      f'indices in [0, {depth}] of the {depth}-layer target')
+  named = tuple(a - 1 for a in aux)
+  if taps and tuple(taps) != named:
+    raise eagle.error('eagle_aux_hidden_state_layer_ids', f'{aux} name taps {list(named)}, '
+                      f'not the {list(taps)} asked for')
+  return named
+
+
 def read_legacy(path, *, target_cfg: Optional[TransformerConfig] = None,
                 taps: Optional[Sequence[int]] = None, dtype: str = 'float32') -> Eagle3Model:
   """An EAGLE-3 drafter from a legacy SafeAILab / SpecForge directory (`midlayer.*`)."""
   keys = config_keys(path)
   tensors = tensor_files(path)
+  keys.check_known(LEGACY_EAGLE3_FIELDS)
   if not any(name.startswith('midlayer.') for name in tensors):
     raise FormatError(f'{path}: neither a speculators config (speculators_model_type) nor '
                       'legacy EAGLE-3 tensors (midlayer.*)')
@@ -158,7 +187,7 @@ def read_legacy(path, *, target_cfg: Optional[TransformerConfig] = None,
   vocab = shapes.vocab_size
   _check_width(keys.file, shapes.embed_dim, target_cfg)
   depth = target_cfg.num_layers
-  taps = tuple(taps) if taps else default_target_layer_ids(depth)
+  taps = _legacy_taps(keys, depth, taps)
   fields = dict(target_layer_ids=taps, final_tap_normed=depth - 1 in taps, **layer_fields,
                 draft_vocab=_vocab(path, keys, tensors, vocab),
                 **{k: keys.get(k, bool, False) for k in _NORM_FLAGS})

@@ -76,7 +76,8 @@ def _shapes(keys: ConfigKeys, target_cfg, dtype: str) -> TransformerConfig:
   try:
     shapes = config_from_hf(keys.config, dtype)
   except ValueError as e:
-    raise FormatError(f'{keys.file}: {keys.prefix}{e}') from None
+    where = f' (in {keys.prefix[:-1]})' if keys.prefix else ''
+    raise FormatError(f'{keys.file}: {e}{where}') from None
   if target_cfg is not None and shapes.embed_dim != target_cfg.embed_dim:
     raise FormatError(f'{keys.file}: mtp checkpoint hidden size {shapes.embed_dim} does not '
                       f'match the target width {target_cfg.embed_dim}')
