@@ -11,7 +11,7 @@ from flax import nnx
 from dspec import checkpoint, sharding
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
-from dspec.tokenizer import load_tokenizer
+from dspec.tokenizer import IdsOnlyTokenizer, declared_eos_ids, load_tokenizer
 
 
 def load_target_checkpoint(path) -> tuple[Transformer, dict]:
@@ -38,33 +38,53 @@ def target_source(path: str) -> str:
                    '(no config.json)')
 
 
+def target_tokenizer(model_cfg, vocab_size: int, metadata: Optional[dict] = None):
+  """The tokenizer of a config's `model` section (`metadata`: a checkpoint's).
+
+  `tokenizer_dir` (it must hold a tokenizer.json), else the weights' tokenizer.json. A
+  model without one that has a vocabulary of its own (a Hugging Face directory, or a
+  checkpoint `convert_hf.py` wrote from one) takes token ids only, with the stop ids its
+  own config declares (`tokenizer.IdsOnlyTokenizer`); dspec's own models (random weights,
+  checkpoints dspec trained) fall back to bytes.
+  """
+  if model_cfg.tokenizer_dir:
+    if not os.path.isfile(os.path.join(model_cfg.tokenizer_dir, 'tokenizer.json')):
+      raise ValueError(f'model.tokenizer_dir={model_cfg.tokenizer_dir}: no tokenizer.json '
+                       'there')
+    return load_tokenizer(model_cfg.tokenizer_dir, vocab_size)
+  if model_cfg.source == 'random':
+    return load_tokenizer(None, vocab_size)
+  extra = (metadata or {}).get('extra') or {}
+  converted = 'hf_source' in extra
+  if converted and not os.path.isfile(os.path.join(model_cfg.path, 'tokenizer.json')):
+    eos_ids = list(extra.get('eos_token_ids') or ()) + declared_eos_ids(model_cfg.path)
+    return IdsOnlyTokenizer(vocab_size, model_cfg.path, dict.fromkeys(eos_ids))
+  return load_tokenizer(model_cfg.path, vocab_size, byte_fallback=model_cfg.source != 'hf'
+                        and not converted)
+
+
 def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
   """(Transformer, tokenizer, max_seq_len) from a config's `model` section.
 
   source: random (shape, seed) | checkpoint (a dspec checkpoint at path) | hf (a Hugging
-  Face Llama/Qwen3 directory at path). The tokenizer comes from `tokenizer_dir`, else from
-  the weights' directory, else bytes. With a `placement`, params live on its mesh (random
-  init: created already sharded).
+  Face Llama/Qwen3 directory at path). The tokenizer: `target_tokenizer`. With a
+  `placement`, params live on its mesh (random init: created already sharded).
   """
   source = model_cfg.source
   if source == 'random':
     cfg = TransformerConfig(**model_cfg.shape)
     ctor = lambda: Transformer(cfg, rngs=nnx.Rngs(model_cfg.seed))
     target = placement.for_model(cfg).create_module(ctor) if placement else ctor()
-    weights_dir = None
+    metadata = None
   elif source == 'checkpoint':
-    target, _ = load_target_checkpoint(model_cfg.path)
-    weights_dir = model_cfg.path
+    target, metadata = load_target_checkpoint(model_cfg.path)
   elif source == 'hf':
     from dspec import hf_import
     target, _ = hf_import.load_hf_model(model_cfg.path)
-    weights_dir = model_cfg.path
+    metadata = None
   else:
     raise ValueError(f'unknown model.source {source!r}; use random, checkpoint or hf')
-  tok_dir = model_cfg.tokenizer_dir or weights_dir
-  if tok_dir and not os.path.exists(os.path.join(tok_dir, 'tokenizer.json')):
-    tok_dir = None if not model_cfg.tokenizer_dir else tok_dir
-  tokenizer = load_tokenizer(tok_dir, target.cfg.vocab_size)
+  tokenizer = target_tokenizer(model_cfg, target.cfg.vocab_size, metadata)
   if placement and source != 'random':
     sharding.place_module(target, placement.for_model(target.cfg))
   return target, tokenizer, model_cfg.max_seq_len

@@ -1,8 +1,12 @@
-"""One tokenizer interface for every model: Hugging Face `tokenizer.json` or raw bytes.
+"""One tokenizer interface for every model: Hugging Face `tokenizer.json`, raw bytes, or
+none (token ids only).
 
 `load_tokenizer(model_dir, vocab_size)` picks the right one: an `HFTokenizer` when the model
-directory ships a `tokenizer.json`, else a `ByteTokenizer` (ids 0..255 are bytes, special ids
-above). `train_byte_level_bpe` trains the small byte-level BPE used by the demo target.
+directory ships a `tokenizer.json`; else, for a model with a vocabulary of its own (a
+Hugging Face model, `byte_fallback=False`), an `IdsOnlyTokenizer`: prompts must be token
+ids, and the stop ids are the ones the model's config files declare; else (dspec's own
+byte-level models) a `ByteTokenizer` (ids 0..255 are bytes, special ids above).
+`train_byte_level_bpe` trains the small byte-level BPE used by the demo target.
 """
 
 from __future__ import annotations
@@ -83,6 +87,44 @@ class ByteTokenizer:
             f'bos_id={self.bos_id}, mask_id={self.mask_id})')
 
 
+class IdsOnlyTokenizer:
+  """A model without a tokenizer: token ids in, token ids out.
+
+  `encode` refuses text (ValueError naming `source`, the directory without a
+  tokenizer.json); `decode` writes the ids out as a list ("[5, 17, 3]"), never as text.
+  Special ids are the ones the model's own config declares (`eos_token_id` of config.json,
+  generation_config.json or tokenizer_config.json): `stop_ids` may be empty.
+  """
+
+  def __init__(self, vocab_size: int, source: str | None = None,
+               eos_ids: Iterable[int] = (), bos_id: int | None = None):
+    self.vocab_size = vocab_size
+    self.source = source
+    self.stop_ids = tuple(int(i) for i in eos_ids)
+    self.eos_id = self.stop_ids[0] if self.stop_ids else None
+    self.bos_id = bos_id
+    self.mask_id = None
+    for i in self.stop_ids + (() if bos_id is None else (bos_id,)):
+      if not 0 <= i < vocab_size:
+        raise ValueError(f'{source or "model"}: special token id {i} is outside the '
+                         f'vocabulary [0, {vocab_size})')
+
+  def encode(self, text: str) -> list[int]:
+    """Refused: this model has no tokenizer."""
+    where = f'{self.source} has no tokenizer.json' if self.source else \
+        f'the {self.vocab_size}-token model has no tokenizer'
+    raise ValueError(f'{where}: give prompts as token ids, or a tokenizer directory '
+                     '(model.tokenizer_dir / tokenizer_dir)')
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """The ids written out, e.g. "[5, 17, 3]" (there is no text without a tokenizer)."""
+    return str([int(i) for i in ids])
+
+  def __repr__(self) -> str:
+    return (f'IdsOnlyTokenizer(vocab_size={self.vocab_size}, source={self.source!r}, '
+            f'stop_ids={self.stop_ids})')
+
+
 class HFTokenizer:
   """A Hugging Face `tokenizers` tokenizer read from `tokenizer.json`.
 
@@ -131,12 +173,15 @@ class HFTokenizer:
             f'eos_id={self.eos_id}, bos_id={self.bos_id}, mask_id={self.mask_id})')
 
 
-def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
+def load_tokenizer(model_dir: str | None, vocab_size: int, *,
+                   byte_fallback: bool = True) -> Tokenizer:
   """The tokenizer for a model with `vocab_size` embedding rows.
 
-  `HFTokenizer` when `model_dir/tokenizer.json` exists, else a `ByteTokenizer` whose EOS is
-  the model's declared `eos_token_id` (from the directory's config files; every listed id
-  stops generation) or id 256 when the vocab has room.
+  `HFTokenizer` when `model_dir/tokenizer.json` exists. Otherwise the model's own declared
+  special ids (`eos_token_id` of the directory's config files; every listed id stops
+  generation) and: with `byte_fallback` (dspec's own byte-level models) and a vocabulary
+  of at least 256, a `ByteTokenizer` whose EOS is a declared id or id 256 when the
+  vocabulary has room; else an `IdsOnlyTokenizer` (token-id prompts only).
   Raises ValueError when the tokenizer does not fit the model's vocabulary.
   """
   if model_dir is not None and not os.path.isdir(model_dir):
@@ -148,13 +193,10 @@ def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
           f"{tok.path} has {tok.vocab_size} tokens but the model's vocab_size is "
           f'{vocab_size}: the tokenizer does not belong to this model')
     return tok
-  if vocab_size < 256:
-    where = f'no tokenizer.json in {model_dir}' if model_dir else 'no model directory'
-    raise ValueError(
-        f'model vocab_size={vocab_size} is below 256 and there is {where}: the byte-level '
-        'fallback tokenizer needs 256 ids; add a tokenizer.json or pass token ids directly')
   eos_ids = _declared_special_ids(model_dir, 'eos', None) if model_dir else []
   bos_ids = _declared_special_ids(model_dir, 'bos', None) if model_dir else []
+  if not byte_fallback or vocab_size < 256:
+    return IdsOnlyTokenizer(vocab_size, model_dir, eos_ids, bos_ids[0] if bos_ids else None)
   eos_ids = [i for i in eos_ids if i < vocab_size]
   bos_ids = [i for i in bos_ids if i < vocab_size]
   if not eos_ids and vocab_size > 256:
@@ -197,6 +239,12 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) ->
     json.dump(config, f, indent=2)
     f.write('\n')
   return HFTokenizer(out_dir)
+
+
+def declared_eos_ids(model_dir: str) -> list[int]:
+  """The end-of-sequence ids the config files of `model_dir` declare (config.json,
+  generation_config.json, tokenizer_config.json `eos_token_id`), in order, deduplicated."""
+  return _declared_special_ids(model_dir, 'eos', None)
 
 
 def _declared_special_ids(model_dir: str, name: str, token_to_id) -> list[int]:

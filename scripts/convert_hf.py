@@ -6,7 +6,9 @@
 Reads config.json + safetensors (single or sharded), writes an orbax checkpoint with
 `kind='target'` (load it with `dspec.load_target`), and copies the tokenizer files
 (tokenizer.json, tokenizer_config.json, generation_config.json, special_tokens_map.json)
-when the source has them. Bad input prints one `error: ...` line and exits with status 1.
+the source has. The metadata records whether there was a tokenizer.json and the
+eos_token_id the source's config files declare: without a tokenizer it warns, and the
+checkpoint decodes token-id prompts only, stopping at those ids. Bad input prints one `error: ...` line and exits with status 1.
 """
 
 import os
@@ -36,16 +38,24 @@ def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
   from dspec.checkpoint import save_model  # heavy imports after flag parsing
   files.check_distinct({'--out': out}, {'--hf_dir': hf_dir})
   from dspec.hf_import import load_hf_model, read_hf_config
+  from dspec.tokenizer import declared_eos_ids
   hf_config = read_hf_config(hf_dir)
   model, cfg = load_hf_model(hf_dir)
+  has_tokenizer = os.path.isfile(os.path.join(hf_dir, 'tokenizer.json'))
+  eos_ids = declared_eos_ids(hf_dir)
   save_model(out, model, kind='target', config=cfg.to_dict(), storage_dtype=storage_dtype,
              extra={'hf_model_type': hf_config['model_type'],
-                    'hf_source': os.path.abspath(hf_dir)},
+                    'hf_source': os.path.abspath(hf_dir),
+                    'tokenizer': 'tokenizer.json' if has_tokenizer else None,
+                    'eos_token_ids': eos_ids},
              force=force)
-  if os.path.exists(os.path.join(hf_dir, 'tokenizer.json')):
-    for name in TOKENIZER_FILES:
-      if os.path.exists(os.path.join(hf_dir, name)):
-        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+  for name in TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(hf_dir, name)):
+      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+  if not has_tokenizer:
+    print(f'warning: {hf_dir} has no tokenizer.json: {out} takes prompts as token ids only '
+          f'(or give a tokenizer with --config.model.tokenizer_dir); it stops at the ids its '
+          f'config declares: {eos_ids or "none"}', file=sys.stderr, flush=True)
   print(f'wrote {out}: {cfg.num_params():,} params ({hf_config["model_type"]}, '
         f'{storage_dtype})')
 

@@ -67,10 +67,11 @@ def test_load_tokenizer_byte_fallback(tmp_path):
 
 
 def test_load_tokenizer_errors(tmp_path):
-  with pytest.raises(ValueError, match='below 256'):
-    load_tokenizer(None, vocab_size=100)
-  with pytest.raises(ValueError, match='below 256'):
-    load_tokenizer(str(tmp_path), vocab_size=64)
+  # Below 256 ids there is no byte fallback: token ids only (text is the error).
+  with pytest.raises(ValueError, match='give prompts as token ids'):
+    load_tokenizer(None, vocab_size=100).encode('abc')
+  with pytest.raises(ValueError, match='has no tokenizer.json'):
+    load_tokenizer(str(tmp_path), vocab_size=64).encode('abc')
   with pytest.raises(FileNotFoundError, match='does not exist'):
     load_tokenizer(str(tmp_path / 'missing'), vocab_size=300)
 
