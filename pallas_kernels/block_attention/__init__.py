@@ -6,6 +6,7 @@ from pallas_kernels.block_attention.masks import BD3LMMask
 from pallas_kernels.block_attention.masks import CausalMask
 from pallas_kernels.block_attention.masks import DFlashDraftMask
 from pallas_kernels.block_attention.masks import DFlashTrainMask
+from pallas_kernels.block_attention.masks import TreeMask
 from pallas_kernels.block_attention.reference import reference_attention
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     'CausalMask',
     'DFlashDraftMask',
     'DFlashTrainMask',
+    'TreeMask',
     'block_attention',
     'reference_attention',
 ]

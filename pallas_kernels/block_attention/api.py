@@ -146,9 +146,10 @@ def block_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   Args:
     q_BTHD: queries ``[batch, T, H, D]`` (fp32, bf16 or fp16; fp32 accumulate).
     k_BSKD, v_BSKD: keys/values ``[batch, S, K, D]``; H % K == 0 (GQA).
-    mask: a mask from ``masks`` (CausalMask, DFlashTrainMask, ...).
+    mask: a mask from ``masks`` (CausalMask, DFlashTrainMask, TreeMask, ...).
     offsets: the mask's runtime offsets, int array (``q_offset [batch]``,
-      ``anchors [batch, N]``, ``context_len [batch]``; None for BD3LM).
+      ``anchors [batch, N]``, ``context_len [batch]``, ``[context_len, parents]
+      [batch, 1 + N]`` for TreeMask; None for BD3LM).
     implementation: 'xla' | 'pallas_gpu' | 'pallas_tpu' | 'interpret' | None.
     block_q, block_kv: tile sizes (default 64/64 on GPU, 128/128 on TPU).
     scale: logit scale, default ``D ** -0.5``.

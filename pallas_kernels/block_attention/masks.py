@@ -26,6 +26,8 @@ Offsets per family (``prepare_offsets`` turns them into ``[batch, ...]`` int32):
 * ``DFlashDraftMask``: ``context_len`` ``[batch]`` (or a scalar; required), the
   number of valid keys in the cache.
 * ``BD3LMMask``: none (pass ``None``).
+* ``TreeMask``: ``[batch, 1 + N]`` (required): ``context_len``, then the N node
+  parents (-1 for the root and padding nodes).
 """
 
 from __future__ import annotations
@@ -321,3 +323,70 @@ class BD3LMMask(AttentionMask):
                     jnp.full_like(q_idx_Q, length)], axis=-1)
     hi = jnp.stack([jnp.where(clean, 0, noisy_hi), clean_hi], axis=-1)
     return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMask(AttentionMask):
+  """Tree verification mask: N node queries over a cache that holds the tree.
+
+  Node n's key is kv index ``context_len + n`` (the tree is written into the cache
+  after the committed prefix). Query n sees the prefix kv < context_len and the keys of
+  its ancestors and itself. Offsets ``[batch, 1 + N]`` int: ``context_len``, then
+  ``parents`` (parent < node for real nodes; -1 for the root and padding nodes, which see
+  the prefix and themselves). ``max_depth`` must bound every node's depth: the interval
+  view is the prefix plus one single-key interval per node of the path to the root.
+  """
+
+  num_nodes: int
+  max_depth: int
+
+  def __post_init__(self):
+    if self.num_nodes < 1 or not 0 <= self.max_depth < self.num_nodes:
+      raise ValueError(f'TreeMask needs num_nodes >= 1 and 0 <= max_depth < num_nodes, '
+                       f'got {self}.')
+
+  @property
+  def num_intervals(self) -> int:
+    return self.max_depth + 2
+
+  def resolve(self, q_len, kv_len):
+    if q_len != self.num_nodes or kv_len < q_len:
+      raise ValueError(f'TreeMask(N={self.num_nodes}) needs Q = N and KV >= N; got '
+                       f'Q={q_len}, KV={kv_len}.')
+    return self
+
+  def prepare_offsets(self, offsets, batch, q_len):
+    if offsets is None:
+      raise ValueError('TreeMask needs offsets=[context_len, parents...] [batch, 1 + N].')
+    offsets = jnp.asarray(offsets, dtype=jnp.int32)
+    if offsets.ndim == 1:
+      offsets = offsets[None]
+    if offsets.ndim != 2 or offsets.shape[1] != 1 + q_len or offsets.shape[0] not in (
+        1, batch):
+      raise ValueError(f'TreeMask offsets must have shape [{batch}, {1 + q_len}], got '
+                       f'{jnp.shape(offsets)}.')
+    return jnp.broadcast_to(offsets, (batch, 1 + q_len))
+
+  def __call__(self, q_idx, kv_idx, offsets):
+    q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
+    n = self.num_nodes
+    context_len, parents = offsets[0], offsets[1:]
+    # Ancestor-or-self relation: transitive closure of the parent edges by squaring.
+    reach = jnp.eye(n, dtype=jnp.int32) + jax.nn.one_hot(parents, n, dtype=jnp.int32)
+    for _ in range(max(n - 1, 1).bit_length()):
+      reach = jnp.minimum(reach + reach @ reach, 1)
+    node = kv_idx - context_len
+    in_tree = (node >= 0) & (node < n)
+    ancestor = reach[jnp.clip(q_idx, 0, n - 1), jnp.clip(node, 0, n - 1)] > 0
+    return (kv_idx < context_len) | (in_tree & ancestor)
+
+  def intervals(self, q_idx_Q, offsets):
+    context_len, parents = offsets[0], offsets[1:]
+    node = jnp.clip(q_idx_Q, 0, self.num_nodes - 1)
+    lo, hi = [jnp.zeros_like(q_idx_Q)], [jnp.broadcast_to(context_len, q_idx_Q.shape)]
+    for _ in range(self.max_depth + 1):
+      key = jnp.where(node >= 0, context_len + node, 0)
+      lo.append(key)
+      hi.append(jnp.where(node >= 0, key + 1, 0))
+      node = jnp.where(node >= 0, jnp.take(parents, jnp.maximum(node, 0)), -1)
+    return jnp.stack(lo, axis=-1), jnp.stack(hi, axis=-1)
