@@ -39,6 +39,8 @@ class OutputPathError(OSError):
 
 
 def _kind(mode: int) -> str:
+  if stat.S_ISREG(mode):
+    return 'a file'
   if stat.S_ISDIR(mode):
     return 'a directory'
   if stat.S_ISBLK(mode):
@@ -219,7 +221,7 @@ def check_output_dir(path: str, flag: str, *, force: bool = False,
     raise OutputPathError(f'{flag}={path}: is a symlink; dspec does not write through links '
                           '(give the directory it points to)')
   if not stat.S_ISDIR(link.st_mode):
-    raise OutputPathError(f'{flag}={path}: exists and is not a directory')
+    raise OutputPathError(f'{flag}={path}: is {_kind(link.st_mode)}, not a directory')
   entries = [n for n in os.listdir(path) if n != LOCK_FILE]
   if entries and not force and not ours(path):
     raise OutputPathError(

@@ -607,6 +607,14 @@ def test_distill_into_an_unrelated_folder_needs_force(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['thesis.tex']
 
 
+def test_train_into_an_unrelated_folder_needs_force(tmp_path):
+  (tmp_path / 'notes.txt').write_text('mine')
+  rc, _, stderr = _run_script('train.py', '--config=configs/demo_target_v2.py:quick',
+                              f'--workdir={tmp_path}', timeout=120)
+  _one_error_line(rc, stderr, 'did not write')
+  assert os.listdir(tmp_path) == ['notes.txt']
+
+
 def test_exported_safetensors_get_the_umask_mode_and_a_dspec_mark(tmp_path):
   from dspec.models.formats.safetensors_io import write_model_dir
   old = os.umask(0o022)
