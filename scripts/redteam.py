@@ -1,22 +1,32 @@
-"""Red-team sweep (issue 15): ~240 bad or edge inputs to every entry point, one subprocess each.
+"""Red-team sweep (issues 15, 39): ~400 bad or edge inputs to every entry point, one subprocess each.
 
-  python scripts/redteam.py [--only=SUBSTRING] [--json=PATH] [--keep]
+  python scripts/redteam.py [--only=SUBSTRING] [--json=PATH] [--table=PATH] [--keep]
 
-Covers decode.py, train.py, distill.py, convert_hf.py, benchmark.py and the Python API
-(checkpoints, safe writes, locks, HF import, tokenizers). Every case runs in its own scratch
-directory, and is classified:
+Covers decode.py, train.py, distill.py, convert_hf.py, benchmark.py, export_drafter.py and
+the Python API (checkpoints, safe writes, locks, HF import, tokenizers), plus issue 39's
+classes, one group each: `outputs` (the output-path policy in every script: foreign files,
+dspec's own files, symlinks, one path per output, outputs inside inputs, folders never
+emptied, file modes), `api_args` (every public API argument: types, ranges, no coercion),
+`config` (unknown fields nested or not, configs for another script), `context` (draft
+length + max_new_tokens + prompt against the context, before compiling), `named` (damaged
+files named in the error) and `locks` (stale locks and manifests, leftovers). Every case
+runs in its own scratch directory, and is classified:
 
   ok              an edge input that should work did, and its output checks passed
   clean error     exit 1, exactly one `error:` line, no traceback
-  traceback       a raw traceback, a crash, a hang, or a failure without one `error:` line
+  traceback       a raw traceback, a crash, or a failure without one `error:` line
+  hang            no exit within the case's timeout
   silently wrong  exit 0 where an error was due (unless the case documents a warning and
-                  it was printed), an output check failed, or an output was written anyway
+                  it was printed), an output check failed, an output was written anyway, or
+                  a lock or temporary file was left behind
   data loss       a file or node the case planted was deleted, replaced or changed
 
-Prints a line per case and the counts; exits 1 unless tracebacks, silently wrong and data
-loss are all 0. Takes about 25 minutes on 2 CPU cores (JAX start-up dominates). Never
-touches anything outside its scratch directory (`--out=` style paths run with the scratch
-directory as the working directory; root and home are never given as outputs).
+Prints a line per case and the counts; exits 1 unless tracebacks, hangs, silently wrong
+and data loss are all 0. `--table=PATH` writes the counts per group as a markdown table
+(docs/results/redteam/results.md). Takes about 45 minutes on 2 CPU cores (JAX start-up
+dominates). Never touches anything outside its scratch directory (`--out=` style paths run
+with the scratch directory as the working directory; root and home are never given as
+outputs).
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ from typing import Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-CATEGORIES = ('ok', 'clean error', 'traceback', 'silently wrong', 'data loss')
+CATEGORIES = ('ok', 'clean error', 'traceback', 'hang', 'silently wrong', 'data loss')
+BAD = ('traceback', 'hang', 'silently wrong', 'data loss')
 
 
 @dataclasses.dataclass
@@ -286,10 +297,8 @@ def decode_cases() -> list:
   def link_kept(sb, fx, proc):
     if not os.path.islink(os.path.join(sb, 'link.json')):
       return 'data loss: the symlink was replaced by a file'
-    try:
-      _strict_json(os.path.join(sb, 'real.json'))
-    except (OSError, ValueError) as e:
-      return f'wrong: link target not written ({e})'
+    if open(os.path.join(sb, 'real.json')).read() != 'old':
+      return 'data loss: the file the symlink points to was overwritten'
     return None
 
   hf = ['--config.model.source=hf', '--config.model.path={sb}/hf']
@@ -368,7 +377,7 @@ def decode_cases() -> list:
       d('prompt_set_data_dir_missing', '--config.prompt_set=gsm8k_test',
         '--config.data_dir=/nonexistent/data', message='/nonexistent'),
       # config plumbing
-      d('unknown_config_key', '--config.bogus=1', message='unknown config key'),
+      d('unknown_config_key', '--config.bogus=1', message='unknown config field'),
       d('wrong_config_type', '--config.max_new_tokens=many', message='max_new_tokens'),
       d('config_missing', '--config=configs/no_such.py', message='not found'),
       d('config_not_python', '--config=README.md', expect='error'),
@@ -464,15 +473,16 @@ def decode_cases() -> list:
       d('metrics_to_char_device', '--metrics_json={sb}/node', expect='ok', metrics=False,
         setup=char_device,
         check=still_char_device),
-      d('metrics_through_symlink', '--metrics_json={sb}/link.json', expect='ok', metrics=False,
-        setup=link_setup, check=link_kept),
+      d('metrics_through_symlink', '--metrics_json={sb}/link.json', message='symlink',
+        metrics=False, setup=link_setup, check=link_kept),
       d('metrics_to_directory', '--metrics_json={sb}/keep', message='directory',
         setup=lambda sb, fx: _plant(sb), check=_planted_intact()),
       d('metrics_new_parent_dir', '--metrics_json={sb}/a/b/m.json', expect='ok', metrics=False,
         check=lambda sb, fx, p: None if os.path.isfile(f'{sb}/a/b/m.json')
         else 'wrong: metrics not written'),
-      d('metrics_replaces_regular_file', expect='ok',
-        setup=lambda sb, fx: _write(f'{sb}/m.json', 'old')),
+      d('metrics_refuses_a_foreign_file', message='not written by dspec', metrics=False,
+        setup=lambda sb, fx: _write(f'{sb}/m.json', 'old'), check=lambda sb, fx, p: None
+        if open(f'{sb}/m.json').read() == 'old' else 'data loss: m.json was replaced'),
   ]
   return cases
 
@@ -549,7 +559,7 @@ def train_cases() -> list:
       bad('storage_dtype', 'float16'), bad('mixture.gsm8k', 0.0, 'mixture'),
       bad('mixture.gsm8k', 'nan', 'mixture'), bad('schedule', 'bogus', 'schedule'),
       bad('task', 'bogus', 'bogus'),
-      t('unknown_training_key', '--config.training.bogus=1', message='unknown config key'),
+      t('unknown_training_key', '--config.training.bogus=1', message='unknown config field'),
       t('data_dir_missing', '--config.data_dir=/nonexistent/data', message='/nonexistent'),
       t('init_from_missing', '--config.training.init_from=/nonexistent/ckpt',
         message='/nonexistent/ckpt'),
@@ -827,7 +837,7 @@ def bench_cases() -> list:
       Case('render_missing', 'benchmark', b + ['--render={sb}/nope'], message='nope'),
       Case('unknown_key', 'benchmark', b + ['--config=configs/bench_tiny.py',
                                             '--config.bogus=1', '--out_dir={sb}/o'],
-           message='unknown config key'),
+           message='unknown config field'),
       Case('out_dir_is_a_file', 'benchmark', b + ['--config=configs/bench_tiny.py',
                                                   '--out_dir={sb}/file'],
            setup=lambda sb, fx: _write(f'{sb}/file', 'keep'), message='file',
@@ -901,11 +911,11 @@ def api_cases() -> list:
         check=_planted_intact()),
       a('write_json_through_symlink', '''
           from dspec import files
-          files.write_json_atomic('{sb}/link.json', {'a': 1})''', expect='ok',
+          files.write_json_atomic('{sb}/link.json', {'a': 1})''', message='symlink',
         setup=lambda sb, fx: (_write(f'{sb}/real.json', 'old'),
                               os.symlink(f'{sb}/real.json', f'{sb}/link.json')),
-        check=lambda sb, fx, p: None if os.path.islink(f'{sb}/link.json') and json.load(
-            open(f'{sb}/real.json')) == {'a': 1} else 'data loss: symlink replaced'),
+        check=lambda sb, fx, p: None if os.path.islink(f'{sb}/link.json') and open(
+            f'{sb}/real.json').read() == 'old' else 'data loss: symlink or its file changed'),
       a('write_json_to_char_device', '''
           from dspec import files
           files.write_json_atomic('{sb}/node', {'a': 1})''', expect='ok',
@@ -955,9 +965,599 @@ def api_cases() -> list:
   ]
 
 
+# ------------------------------------------------------------- issue 39: round-3 classes
+
+_SNAPSHOTS: dict = {}
+
+
+def _digest(path) -> dict:
+  """{relative name: sha256 or 'dir' or 'link->target'} of everything under `path`."""
+  out = {}
+  for root, dirs, names in os.walk(path):
+    for n in dirs + names:
+      p = os.path.join(root, n)
+      rel = os.path.relpath(p, path)
+      if os.path.islink(p):
+        out[rel] = 'link->' + os.readlink(p)
+      elif os.path.isdir(p):
+        out[rel] = 'dir'
+      else:
+        out[rel] = _sha(p)
+  return out
+
+
+def _snapshot(*rels):
+  """setup step: remember the content of sb/rel (a file or a tree) for `_unchanged`."""
+  def setup(sb, fx):
+    for rel in rels:
+      path = os.path.join(sb, rel)
+      _SNAPSHOTS[sb, rel] = _digest(path) if os.path.isdir(path) else _sha(path)
+  return setup
+
+
+def _unchanged(*rels):
+  """check: sb/rel still holds what `_snapshot` saw (data loss otherwise)."""
+  def check(sb, fx, proc):
+    for rel in rels:
+      path = os.path.join(sb, rel)
+      if not os.path.lexists(path):
+        return f'data loss: {rel} was deleted'
+      now = _digest(path) if os.path.isdir(path) else _sha(path)
+      if now != _SNAPSHOTS.pop((sb, rel)):
+        return f'data loss: {rel} was changed'
+    return None
+  return check
+
+
+def _steps(*fns):
+  def setup(sb, fx):
+    for fn in fns:
+      fn(sb, fx)
+  return setup
+
+
+def _absent(rel):
+  def check(sb, fx, proc):
+    return f'wrong: {rel} was written' if os.path.lexists(os.path.join(sb, rel)) else None
+  return check
+
+
+def _file_mode(rel, mode=None):
+  """check: sb/rel has `mode` (None: what the umask gives a new file)."""
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    umask = os.umask(0o022)
+    os.umask(umask)
+    want = 0o666 & ~umask if mode is None else mode
+    got = stat.S_IMODE(os.stat(os.path.join(sb, rel)).st_mode)
+    return None if got == want else f'wrong: {rel} has mode {got:o}, expected {want:o}'
+  return check
+
+
+def _no_leftovers(rel):
+  """check: no `.lock` or temporary file left in sb/rel after the run."""
+  def check(sb, fx, proc):
+    path = os.path.join(sb, rel)
+    if not os.path.isdir(path):
+      return None
+    left = [n for n in os.listdir(path) if n == '.lock' or '.tmp' in n or 'dspec-new' in n]
+    return f'leftover: {left} in {rel}' if left else None
+  return check
+
+
+def _marked_json(rel, kind='decode metrics'):
+  return lambda sb, fx: _write(os.path.join(sb, rel), json.dumps({'dspec_output': kind}))
+
+
+def _link(target_rel, link_rel):
+  return lambda sb, fx: os.symlink(os.path.join(sb, target_rel), os.path.join(sb, link_rel))
+
+
+def _planted(rel='keep/thesis.tex', text='years of work'):
+  return lambda sb, fx: _plant(sb, rel, text)
+
+
+def output_cases() -> list:
+  """The output-path policy, script by script: foreign files refused unless --force, dspec's
+  own replaced, symlinks refused, one path per output, no output inside an input."""
+  decode = [f'{REPO}/scripts/decode.py', f'--config={REPO}/configs/tiny.py',
+            '--config.max_new_tokens=4', '--config.timing_repeats=0', '--quiet']
+  ckpt = ['--config.model.source=checkpoint', '--config.model.path={sb}/ckpt']
+
+  def o(name, *args, expect='error', message='', setup=None, check=None, base=decode,
+        cwd='sb', **kw):
+    return Case(name, 'outputs', base + list(args), expect, message, setup, check, cwd=cwd,
+                **kw)
+
+  def copy_fx(src, dst):
+    return lambda sb, fx: _copy(os.path.join(fx, src), os.path.join(sb, dst))
+
+  def copy_demo(src, dst):
+    return lambda sb, fx: _copy(os.path.join(REPO, 'demo', src), os.path.join(sb, dst))
+
+  def metrics_written(rel='m.json'):
+    def check(sb, fx, proc):
+      if proc.returncode != 0:
+        return None
+      try:
+        report = _strict_json(os.path.join(sb, rel))
+      except (OSError, ValueError) as e:
+        return f'wrong: {rel}: {e}'
+      return None if report.get('output_ids') else f'wrong: {rel} holds no output_ids'
+    return check
+
+  export = [f'{REPO}/scripts/export_drafter.py', '--path={sb}/in']
+  train = [f'{REPO}/scripts/train.py', f'--config={REPO}/configs/demo_target_v2.py:quick']
+  conv = [f'{REPO}/scripts/convert_hf.py']
+  distill = [f'{REPO}/scripts/distill.py', f'--config={REPO}/configs/distill_demo.py:tiny']
+  bench = [f'{REPO}/scripts/benchmark.py', f'--config={REPO}/configs/bench_tiny.py:nohf,t0',
+           '--config.bench.datasets=("humaneval",)', '--config.bench.batch_sizes=(1,)']
+  exported = lambda rel: lambda sb, fx, p: None if p.returncode or os.path.isfile(
+      os.path.join(sb, rel, 'model.safetensors')) else f'wrong: no export in {rel}'
+  return [
+      # decode --metrics_json / --trace_json
+      o('metrics_foreign_file', '--metrics_json=m.json', message='not written by dspec',
+        setup=_steps(_planted('m.json'), _snapshot('m.json')), check=_unchanged('m.json')),
+      o('metrics_foreign_json_object', '--metrics_json=m.json', message='not written by dspec',
+        setup=_steps(lambda sb, fx: _write(f'{sb}/m.json', '{"tau": 9}'), _snapshot('m.json')),
+        check=_unchanged('m.json')),
+      o('metrics_foreign_file_force', '--metrics_json=m.json', '--force', expect='ok',
+        setup=_planted('m.json'), check=metrics_written()),
+      o('metrics_own_file_replaced', '--metrics_json=m.json', expect='ok',
+        setup=_marked_json('m.json'), check=metrics_written()),
+      o('metrics_rerun_replaces_own', '--metrics_json=a/m.json', expect='ok',
+        setup=_marked_json('a/m.json'), check=_all(metrics_written('a/m.json'),
+                                                    _no_leftovers('a'))),
+      o('metrics_symlink_to_file', '--metrics_json=link.json', message='symlink',
+        setup=_steps(_planted('real.json'), _link('real.json', 'link.json'),
+                     _snapshot('real.json')), check=_unchanged('real.json')),
+      o('metrics_symlink_to_own_file', '--metrics_json=link.json', message='symlink',
+        setup=_steps(_marked_json('real.json'), _link('real.json', 'link.json'),
+                     _snapshot('real.json')), check=_unchanged('real.json')),
+      o('metrics_symlink_force', '--metrics_json=link.json', '--force', message='symlink',
+        setup=_steps(_planted('real.json'), _link('real.json', 'link.json'),
+                     _snapshot('real.json')), check=_unchanged('real.json')),
+      o('metrics_dangling_symlink', '--metrics_json=link.json', message='symlink',
+        setup=_link('nowhere.json', 'link.json'), check=_absent('nowhere.json')),
+      o('metrics_symlink_to_dir', '--metrics_json=link', message='symlink',
+        setup=_steps(_planted(), _link('keep', 'link'), _snapshot('keep')),
+        check=_unchanged('keep')),
+      o('trace_symlink_to_file', '--trace_json=link.json', message='symlink',
+        setup=_steps(_planted('real.json'), _link('real.json', 'link.json'),
+                     _snapshot('real.json')), check=_unchanged('real.json')),
+      o('trace_foreign_file', '--trace_json=t.json', message='not written by dspec',
+        setup=_steps(_planted('t.json'), _snapshot('t.json')), check=_unchanged('t.json')),
+      o('metrics_equals_trace', '--metrics_json=m.json', '--trace_json=m.json',
+        message='same file', check=_absent('m.json')),
+      o('metrics_equals_trace_dot_slash', '--metrics_json=m.json', '--trace_json=./m.json',
+        message='same file', check=_absent('m.json')),
+      o('metrics_equals_trace_absolute', '--metrics_json=m.json', '--trace_json={sb}/m.json',
+        message='same file', check=_absent('m.json')),
+      o('metrics_equals_trace_via_dir_link', '--metrics_json=d/m.json',
+        '--trace_json=l/m.json', message='same file',
+        setup=lambda sb, fx: (os.makedirs(f'{sb}/d'), os.symlink(f'{sb}/d', f'{sb}/l')),
+        check=_absent('d/m.json')),
+      o('metrics_inside_model_checkpoint', *ckpt, '--metrics_json={sb}/ckpt/m.json',
+        message='inside the input', setup=_steps(copy_fx('target', 'ckpt'),
+                                                 _snapshot('ckpt')), check=_unchanged('ckpt')),
+      o('trace_inside_model_checkpoint', *ckpt, '--trace_json={sb}/ckpt/state/t.json',
+        message='inside the input', setup=_steps(copy_fx('target', 'ckpt'),
+                                                 _snapshot('ckpt')), check=_unchanged('ckpt')),
+      o('metrics_inside_tokenizer_dir', '--config.model.tokenizer_dir={sb}/tok',
+        '--metrics_json={sb}/tok/m.json', message='inside the input',
+        setup=_steps(copy_demo('tokenizer', 'tok'), _snapshot('tok')), check=_unchanged('tok')),
+      o('metrics_inside_drafter_dir', '--config.drafter=mtp', '--config.drafters.mtp.path={sb}/mtp',
+        '--metrics_json={sb}/mtp/m.json', message='inside the input',
+        setup=_steps(copy_demo('mtp', 'mtp'), _snapshot('mtp')), check=_unchanged('mtp')),
+      o('metrics_empty_path', '--metrics_json=', message='empty'),
+      o('trace_empty_path', '--trace_json=', message='empty'),
+      o('metrics_is_directory_force', '--metrics_json=keep', '--force', message='directory',
+        setup=_steps(_planted(), _snapshot('keep')), check=_unchanged('keep')),
+      o('metrics_new_file_mode', '--metrics_json=m.json', expect='ok',
+        check=_all(metrics_written(), _file_mode('m.json'))),
+      o('metrics_replaced_keeps_mode', '--metrics_json=m.json', expect='ok',
+        setup=lambda sb, fx: (_marked_json('m.json')(sb, fx), os.chmod(f'{sb}/m.json', 0o600)),
+        check=_all(metrics_written(), _file_mode('m.json', 0o600))),
+      o('metrics_to_dev_stdout', '--metrics_json=/dev/stdout', expect='ok',
+        check=lambda sb, fx, p: None if '"output_ids"' in p.stdout
+        else 'wrong: no metrics on stdout'),
+      # export_drafter --out
+      o('export_foreign_dir', '--out=keep', base=export, message='did not write',
+        setup=_steps(copy_demo('dflash', 'in'), _planted(), _snapshot('keep')),
+        check=_unchanged('keep')),
+      o('export_foreign_dir_force', '--out=keep', '--force', base=export, expect='ok',
+        setup=_steps(copy_demo('dflash', 'in'), _planted(),
+                     _snapshot('keep/thesis.tex')),
+        check=_all(_unchanged('keep/thesis.tex'), exported('keep'))),
+      o('export_rerun_replaces_own', '--out=out', base=export, expect='ok',
+        setup=_steps(copy_demo('dflash', 'in'), lambda sb, fx: subprocess.run(
+            [PY, f'{REPO}/scripts/export_drafter.py', f'--path={sb}/in', f'--out={sb}/out'],
+            capture_output=True, check=True)),
+        check=_all(exported('out'), _no_leftovers('out'))),
+      o('export_own_plus_user_file', '--out=out', base=export, message='did not write',
+        setup=_steps(copy_demo('dflash', 'in'), lambda sb, fx: subprocess.run(
+            [PY, f'{REPO}/scripts/export_drafter.py', f'--path={sb}/in', f'--out={sb}/out'],
+            capture_output=True, check=True), _planted('out/notes.txt', 'mine'),
+            _snapshot('out')), check=_unchanged('out')),
+      o('export_inside_input', '--out=in/sub', base=export, message='inside the input',
+        setup=_steps(copy_demo('dflash', 'in'), _snapshot('in')), check=_unchanged('in')),
+      o('export_inside_input_force', '--out=in/state', '--force', base=export,
+        message='inside the input',
+        setup=_steps(copy_demo('dflash', 'in'), _snapshot('in')), check=_unchanged('in')),
+      o('export_equals_input_force', '--out=in', '--force', base=export,
+        message='inside the input',
+        setup=_steps(copy_demo('dflash', 'in'), _snapshot('in')), check=_unchanged('in')),
+      o('export_out_symlink', '--out=link', base=export, message='symlink',
+        setup=_steps(copy_demo('dflash', 'in'), _planted(), _link('keep', 'link'),
+                     _snapshot('keep')), check=_unchanged('keep')),
+      o('export_out_is_file', '--out=keep/thesis.tex', '--force', base=export,
+        message='not a directory', setup=_steps(copy_demo('dflash', 'in'), _planted(),
+                                                _snapshot('keep')), check=_unchanged('keep')),
+      o('export_file_modes', '--out=out', base=export, expect='ok',
+        setup=copy_demo('dflash', 'in'),
+        check=_all(_file_mode('out/model.safetensors'), _file_mode('out/config.json'))),
+      o('export_eagle3_inside_input', '--out=in/x', base=export, message='inside the input',
+        setup=_steps(copy_demo('eagle3', 'in'), _snapshot('in')), check=_unchanged('in')),
+      # convert_hf --out
+      o('convert_out_inside_hf_dir', '--hf_dir={sb}/hf', '--out={sb}/hf/ckpt', base=conv,
+        message='inside the input', setup=_steps(copy_fx('hf', 'hf'), _snapshot('hf')),
+        check=_unchanged('hf')),
+      o('convert_out_equals_hf_dir_force', '--hf_dir={sb}/hf', '--out={sb}/hf', '--force',
+        base=conv, message='inside the input',
+        setup=_steps(copy_fx('hf', 'hf'), _snapshot('hf')), check=_unchanged('hf')),
+      o('convert_out_symlink_dir', '--hf_dir={sb}/hf', '--out=link', base=conv,
+        message='symlink', setup=_steps(copy_fx('hf', 'hf'), copy_fx('target', 'ckpt'),
+                                        _link('ckpt', 'link'), _snapshot('ckpt')),
+        check=_unchanged('ckpt')),
+      # distill --out_dir
+      o('distill_foreign_dir', '--out_dir={sb}/keep', base=distill, message='did not write',
+        setup=_steps(_planted(), _snapshot('keep')), check=_unchanged('keep'), cwd='repo'),
+      o('distill_foreign_dir_force', '--out_dir={sb}/keep', '--force', base=distill,
+        expect='ok', setup=_steps(_planted(), _snapshot('keep/thesis.tex')),
+        check=_all(_unchanged('keep/thesis.tex'), _no_leftovers('keep')), cwd='repo'),
+      o('distill_out_symlink', '--out_dir={sb}/link', base=distill, message='symlink',
+        setup=_steps(_planted(), _link('keep', 'link'), _snapshot('keep')),
+        check=_unchanged('keep'), cwd='repo'),
+      o('distill_fresh_leaves_no_lock', '--out_dir={sb}/d', base=distill, expect='ok',
+        check=_no_leftovers('d'), cwd='repo'),
+      # train --workdir
+      o('train_foreign_workdir', '--workdir={sb}/keep', base=train, message='did not write',
+        setup=_steps(_planted(), _snapshot('keep')), check=_unchanged('keep'), cwd='repo'),
+      o('train_foreign_log_only', '--workdir={sb}/keep', base=train, message='did not write',
+        setup=_steps(_planted('keep/train_log.jsonl', 'my notes'), _snapshot('keep')),
+        check=_unchanged('keep'), cwd='repo'),
+      o('train_foreign_workdir_force', '--workdir={sb}/keep', '--force', base=train,
+        expect='ok', setup=_steps(_planted(), _snapshot('keep/thesis.tex')),
+        check=_all(_unchanged('keep/thesis.tex'), _no_leftovers('keep')), cwd='repo'),
+      o('train_workdir_symlink', '--workdir={sb}/link', base=train, message='symlink',
+        setup=_steps(_planted(), _link('keep', 'link'), _snapshot('keep')),
+        check=_unchanged('keep'), cwd='repo'),
+      o('train_workdir_inside_init_from', '--workdir={sb}/init/run',
+        '--config.training.init_from={sb}/init', base=train, message='inside the input',
+        setup=_steps(copy_fx('target', 'init'), _snapshot('init')), check=_unchanged('init'),
+        cwd='repo'),
+      # benchmark --out_dir
+      o('bench_foreign_results_json', '--out_dir={sb}/o', base=bench, message='did not write',
+        setup=_steps(lambda sb, fx: _write(f'{sb}/o/results.json', '[{"mine": 1}]'),
+                     _snapshot('o')), check=_unchanged('o'), cwd='repo'),
+      o('bench_foreign_dir_force_keeps_files', '--out_dir={sb}/o', '--force', base=bench,
+        expect='ok', setup=_steps(_planted('o/thesis.tex'), _snapshot('o/thesis.tex')),
+        check=_unchanged('o/thesis.tex'), cwd='repo'),
+      o('bench_out_dir_symlink', '--out_dir={sb}/link', base=bench, message='symlink',
+        setup=_steps(_planted(), _link('keep', 'link'), _snapshot('keep')),
+        check=_unchanged('keep'), cwd='repo'),
+      o('bench_rerun_own_dir', '--out_dir={sb}/o', base=bench, expect='ok',
+        setup=lambda sb, fx: (_write(f'{sb}/o/results.json', '[]'), _write(
+            f'{sb}/o/meta.json', json.dumps({'dspec_output': 'benchmark meta'}))),
+        check=lambda sb, fx, p: None if p.returncode or json.load(
+            open(f'{sb}/o/results.json')) else 'wrong: results.json not rewritten', cwd='repo'),
+  ]
+
+
+def api_arg_cases() -> list:
+  """Every public API entry: a bad type or value is a ValueError naming the argument (one
+  error line through the CLI wrapper), never a TypeError, a coercion or a silent result."""
+  head = textwrap.dedent('''
+      import numpy as np
+      import dspec
+      target = dspec.load_target('{fx}/target')
+      ''')
+
+  def a(name, call, message='', expect='error'):
+    return Case(name, 'api_args', _api(head + call), expect, message)
+
+  gen = "dspec.generate(target, {}, max_new_tokens=4{})"
+  cases = [a(f'prompts_{n}', gen.format(p, ''), m) for n, p, m in [
+      ('none', 'None', 'prompts'), ('dict', "{'a': 'x'}", 'prompts'),
+      ('bytes', "b'abc'", 'prompts'), ('bytes_in_list', "[b'abc']", 'prompts[0]'),
+      ('set', "{'abc'}", 'prompts'), ('int', '7', 'prompts'),
+      ('float_ids', '[[1.0, 2.0]]', 'prompts[0]'), ('bool_ids', '[[True, 2]]', 'prompts[0]'),
+      ('str_ids', "[['1', '2']]", 'prompts[0]'), ('nested_ids', '[[[1, 2]]]', 'prompts[0]'),
+      ('none_in_list', '[None]', 'prompts[0]'), ('float_array', '[np.array([1.5, 2.0])]',
+                                                 'prompts[0]'),
+      ('generator', "(p for p in ['a'])", 'prompts'), ('empty_list', '[]', 'non-empty'),
+      ('out_of_vocab', '[[1, 2, 10**12]]', 'out of range')]]
+  cases += [a(f'{n}', gen.format("['abc']", f', {kw}'), m) for n, kw, m in [
+      ('max_new_tokens_float', 'max_new_tokens=4.0', 'max_new_tokens'),
+      ('max_new_tokens_str', "max_new_tokens='4'", 'max_new_tokens'),
+      ('max_new_tokens_none', 'max_new_tokens=None', 'max_new_tokens'),
+      ('max_new_tokens_bool', 'max_new_tokens=True', 'max_new_tokens'),
+      ('temperature_none', 'temperature=None', 'temperature'),
+      ('temperature_str', "temperature='0.5'", 'temperature'),
+      ('temperature_nan', "temperature=float('nan')", 'temperature'),
+      ('top_p_none', 'top_p=None', 'top_p'), ('top_p_two', 'top_p=2', 'top_p'),
+      ('top_k_float', 'top_k=3.0', 'top_k'), ('top_k_negative', 'top_k=-1', 'top_k'),
+      ('seed_float', 'seed=1.5', 'seed'), ('seed_huge', 'seed=2**40', 'seed'),
+      ('batch_size_float', 'batch_size=2.0', 'batch_size'),
+      ('batch_size_negative', 'batch_size=-1', 'batch_size'),
+      ('timing_repeats_none', 'timing_repeats=None', 'timing_repeats'),
+      ('compare_ar_str', "compare_ar='no'", 'compare_ar'),
+      ('trace_int', 'trace=1', 'trace'), ('verify_length_bogus', "verify_length='fast'",
+                                          'verify_length'),
+      ('drafter_str', "drafter='ngram'", 'drafter')]]
+  cases += [
+      a('generate_target_none', "dspec.generate(None, ['abc'])", 'target'),
+      a('generate_target_path', "dspec.generate('{fx}/target', ['abc'])", 'target'),
+      a('load_target_none', 'dspec.load_target(None)', 'path'),
+      a('load_target_int', 'dspec.load_target(123)', 'path'),
+      a('load_target_bytes', "dspec.load_target(b'{fx}/target')", 'path'),
+      a('load_target_empty', "dspec.load_target('')", 'path'),
+      a('load_target_max_seq_len_float', "dspec.load_target('{fx}/target', max_seq_len=64.0)",
+        'max_seq_len'),
+      a('load_target_tokenizer_dir_int', "dspec.load_target('{fx}/target', tokenizer_dir=3)",
+        'tokenizer_dir'),
+      a('load_drafter_kind_none', 'dspec.load_drafter(None, target=target)', 'unknown drafter'),
+      a('load_drafter_target_none', "dspec.load_drafter('ngram', target=None)", 'target'),
+      a('load_drafter_num_draft_float', "dspec.load_drafter('ngram', target=target, "
+        'num_draft=4.0)', 'num_draft'),
+      a('load_drafter_num_draft_str', "dspec.load_drafter('ngram', target=target, "
+        "num_draft='4')", 'num_draft'),
+      a('load_drafter_path_int', "dspec.load_drafter('mtp', 5, target=target)", 'path'),
+      a('load_drafter_unknown_field', "dspec.load_drafter('ngram', target=target, bogus=1)",
+        'bogus'),
+      a('numpy_ids_and_tuple_ok', "out = dspec.generate(target, (np.array([1, 2, 3]),), "
+        "max_new_tokens=np.int64(4))\nassert len(out.ids[0]) == 4", expect='ok'),
+      a('pathlib_path_ok', "import pathlib\ndspec.load_target(pathlib.Path('{fx}/target'))",
+        expect='ok'),
+  ]
+  return cases
+
+
+def config_cases() -> list:
+  """Config errors in every script: unknown fields (nested or not) name the full path and
+  near matches; a config meant for another script is one line."""
+  def c(name, script, *args, message='', expect='error'):
+    return Case(name, 'config', [f'scripts/{script}'] + list(args), expect, message)
+
+  tiny, train = '--config=configs/tiny.py', '--config=configs/demo_target_v2.py:quick'
+  dist, bench = '--config=configs/distill_demo.py:tiny', '--config=configs/bench_tiny.py'
+  return [
+      c('decode_nested_unknown', 'decode.py', tiny, '--config.drafters.mtp.bogus=1',
+        message='drafters.mtp.bogus'),
+      c('decode_nested_typo', 'decode.py', tiny, '--config.drafters.ngram.num_drafts=3',
+        message='did you mean drafters.ngram.num_draft'),
+      c('decode_unknown_drafter_section', 'decode.py', tiny, '--config.drafters.eagle9.x=1',
+        message='drafters.eagle9'),
+      c('decode_model_shape_typo', 'decode.py', tiny, '--config.model.shape.num_layer=2',
+        message='model.shape.num_layer'),
+      c('decode_controller_unknown', 'decode.py', tiny, '--config.controller.bogus=1',
+        message='controller.bogus'),
+      c('decode_top_level_unknown', 'decode.py', tiny, '--config.bogus_field=1',
+        message='bogus_field'),
+      c('decode_top_level_typo', 'decode.py', tiny, '--config.temperatur=1',
+        message='did you mean temperature'),
+      c('decode_value_as_section', 'decode.py', tiny, '--config.max_new_tokens.x=1',
+        message='not a section'),
+      c('decode_default_config_unknown', 'decode.py', '--config.bogus=1', message='bogus'),
+      c('decode_default_config_nested', 'decode.py', '--config.drafters.mtp.bogus=1',
+        message='drafters.mtp.bogus'),
+      c('decode_given_train_config', 'decode.py', train, '--config.max_new_tokens=4',
+        expect='either'),
+      c('decode_given_distill_config', 'decode.py', dist, '--config.max_new_tokens=4',
+        expect='either'),
+      c('train_nested_unknown', 'train.py', train, '--config.training.bogus=1',
+        '--workdir=/tmp/dspec-redteam-unused', message='training.bogus'),
+      c('train_typo', 'train.py', train, '--config.training.lerning_rate=1',
+        '--workdir=/tmp/dspec-redteam-unused', message='did you mean training.learning_rate'),
+      c('train_given_decode_config', 'train.py', tiny, '--workdir=/tmp/dspec-redteam-unused',
+        message="no 'training' field"),
+      c('train_given_distill_config', 'train.py', dist, '--workdir=/tmp/dspec-redteam-unused',
+        message="no 'training' field"),
+      c('train_given_bench_config', 'train.py', bench, '--workdir=/tmp/dspec-redteam-unused',
+        message="no 'training' field"),
+      c('distill_nested_unknown', 'distill.py', dist, '--config.distill.bogus=1',
+        '--out_dir=/tmp/dspec-redteam-unused', message='distill.bogus'),
+      c('distill_prompt_sets_unknown', 'distill.py', dist,
+        '--config.distill.prompt_sets.bogus=3', '--out_dir=/tmp/dspec-redteam-unused',
+        message='distill.prompt_sets.bogus'),
+      c('distill_given_decode_config', 'distill.py', tiny,
+        '--out_dir=/tmp/dspec-redteam-unused', message="no 'distill' field"),
+      c('distill_given_train_config', 'distill.py', train,
+        '--out_dir=/tmp/dspec-redteam-unused', message="no 'distill' field"),
+      c('bench_nested_unknown', 'benchmark.py', bench, '--config.bench.hf.bogus=1',
+        '--out_dir=/tmp/dspec-redteam-unused', message='bench.hf.bogus'),
+      c('bench_typo', 'benchmark.py', bench, '--config.bench.num_prompt=1',
+        '--out_dir=/tmp/dspec-redteam-unused', message='did you mean bench.num_prompts'),
+      c('bench_given_decode_config', 'benchmark.py', tiny,
+        '--out_dir=/tmp/dspec-redteam-unused', message="no 'bench' field"),
+      c('bench_default_config_unknown', 'benchmark.py', '--config.bogus=1',
+        '--out_dir=/tmp/dspec-redteam-unused', message='bogus'),
+  ]
+
+
+def context_cases() -> list:
+  """num_draft, max_new_tokens and the prompt against the model context, before anything
+  compiles: a too-long draft must be refused, not hang (a hang times out at 240 s)."""
+  base = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=8',
+          '--config.timing_repeats=0', '--quiet']
+
+  def x(name, *args, expect='error', message='exceeds the model context'):
+    return Case(name, 'context', base + list(args), expect, message, timeout=240)
+
+  return [
+      x('ngram_num_draft_100000', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=100000'),
+      x('ngram_num_draft_int32_max', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=2147483647', message='num_draft'),
+      x('suffix_num_draft_100000', '--config.drafter=suffix',
+        '--config.drafters.suffix.num_draft=100000', message='num_draft'),
+      x('oracle_num_draft_100000', '--config.drafter=oracle',
+        '--config.drafters.oracle.num_draft=100000', message='num_draft'),
+      x('self_num_draft_100000', '--config.drafter=self',
+        '--config.drafters.self.num_draft=100000', message='num_draft'),
+      x('ngram_num_draft_equals_context', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=4096'),
+      x('ngram_fixed_verify_huge', '--config.drafter=ngram', '--config.verify_length=fixed',
+        '--config.drafters.ngram.num_draft=100000'),
+      x('small_context_draft_overflows', '--config.model.max_seq_len=32',
+        '--config.drafter=ngram', '--config.drafters.ngram.num_draft=24',
+        '--prompt_ids=1,2,3'),
+      x('small_context_draft_fits', '--config.model.max_seq_len=32', '--config.drafter=ngram',
+        '--config.drafters.ngram.num_draft=20', '--prompt_ids=1,2,3', expect='ok'),
+      x('max_new_tokens_fills_context', '--config.max_new_tokens=4094', '--prompt_ids=1,2,3'),
+      x('max_new_tokens_plus_draft_overflows', '--config.max_new_tokens=4080',
+        '--config.drafter=ngram', '--config.drafters.ngram.num_draft=16', '--prompt_ids=1,2'),
+      Case('bench_size_100000', 'context', [
+          'scripts/benchmark.py', '--config=configs/bench_tiny.py:nohf,t0',
+          '--config.bench.sizes=(100000,)', '--out_dir={sb}/o'], 'error',
+           'exceeds the model context', timeout=240, check=_absent('o/results.json')),
+      Case('api_num_draft_100000', 'context', _api('''
+          import dspec
+          target = dspec.load_target('{fx}/target')
+          drafter = dspec.load_drafter('ngram', target=target, num_draft=100000)
+          dspec.generate(target, [[1, 2, 3]], drafter=drafter, max_new_tokens=4)'''),
+           'error', 'exceeds the model context', timeout=240),
+  ]
+
+
+def named_file_cases() -> list:
+  """Every error on a damaged file names that file."""
+  bench = ['scripts/benchmark.py', '--config=configs/bench_tiny.py:nohf,t0', '--resume',
+           '--out_dir={sb}/o']
+  dspec_dir = lambda sb, fx: _write(f'{sb}/o/meta.json',
+                                    json.dumps({'dspec_output': 'benchmark meta'}))
+
+  def n(name, argv, message, setup=None, check=None):
+    return Case(name, 'named', argv, 'error', message, setup, check)
+
+  def hf(edit):
+    def setup(sb, fx):
+      _copy(os.path.join(fx, 'hf'), os.path.join(sb, 'hf'))
+      edit(os.path.join(sb, 'hf'))
+    return setup
+
+  def drafter_dir(edit, src='dflash'):
+    def setup(sb, fx):
+      _copy(os.path.join(REPO, 'demo', src), os.path.join(sb, 'in'))
+      edit(os.path.join(sb, 'in'))
+    return setup
+
+  export = ['scripts/export_drafter.py', '--path={sb}/in', '--out={sb}/out']
+  decode_hf = ['scripts/decode.py', '--config=configs/tiny.py', '--config.model.source=hf',
+               '--config.model.path={sb}/hf', '--quiet']
+  conv = ['scripts/convert_hf.py', '--hf_dir={sb}/hf', '--out={sb}/out']
+
+  def safetensors_dir(h):
+    os.remove(os.path.join(h, 'model.safetensors'))
+    os.makedirs(os.path.join(h, 'model.safetensors'))
+
+  return [
+      n('partial_control_char', bench, 'results.partial.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), _write(f'{sb}/o/results.partial.json',
+                                                       '{"config": "\x01"}'))),
+      n('partial_truncated', bench, 'results.partial.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), _write(f'{sb}/o/results.partial.json',
+                                                       '{"config": {'))),
+      n('partial_is_list', bench, 'results.partial.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), _write(f'{sb}/o/results.partial.json',
+                                                       '[]'))),
+      n('partial_binary', bench, 'results.partial.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), _write(f'{sb}/o/results.partial.json',
+                                                       b'\xff\xfe\x00', 'wb'))),
+      n('partial_is_directory', bench, 'results.partial.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), os.makedirs(f'{sb}/o/results.partial.json'))),
+      n('render_corrupt_results', ['scripts/benchmark.py', '--render={sb}/o'], 'results.json',
+        setup=lambda sb, fx: (dspec_dir(sb, fx), _write(f'{sb}/o/results.json', '[{'))),
+      n('hf_safetensors_is_directory', conv, 'model.safetensors', setup=hf(safetensors_dir)),
+      n('hf_safetensors_is_directory_decode', decode_hf, 'model.safetensors',
+        setup=hf(safetensors_dir)),
+      n('hf_config_binary', conv, 'config.json',
+        setup=hf(lambda h: _write(os.path.join(h, 'config.json'), b'\xff\xfe{', 'wb'))),
+      n('hf_config_is_directory', conv, 'config.json', setup=hf(lambda h: (
+          os.remove(os.path.join(h, 'config.json')), os.makedirs(os.path.join(h, 'config.json'))))),
+      n('hf_index_binary', conv, 'index',
+        setup=hf(lambda h: _write(os.path.join(h, 'model.safetensors.index.json'), b'\xff\x00',
+                                  'wb'))),
+      n('drafter_config_garbled', export, 'config.json', setup=drafter_dir(
+          lambda d: _write(os.path.join(d, 'config.json'), '{"x": '))),
+      n('drafter_metadata_binary', export, '{sb}/in', setup=drafter_dir(
+          lambda d: _write(os.path.join(d, 'metadata', 'metadata'), b'\xff\xfe', 'wb'))),
+      n('token_map_binary', ['scripts/decode.py', '--config=configs/demo.py',
+                             '--config.drafter=mtp', '--config.drafters.mtp.token_map={sb}/tm.json',
+                             '--config.max_new_tokens=4', '--quiet'], 'tm.json',
+        setup=lambda sb, fx: _write(f'{sb}/tm.json', b'\xff\xfe[1,2]', 'wb')),
+      n('distill_manifest_binary', ['scripts/distill.py', '--config=configs/distill_demo.py:tiny',
+                                    '--out_dir={sb}/d'], 'manifest.json',
+        setup=lambda sb, fx: _write(f'{sb}/d/manifest.json', b'\xff\xfe', 'wb')),
+  ]
+
+
+def lock_cases() -> list:
+  """Locks and manifests: removed on exit; a killed run's lock is stale and taken over; a
+  manifest without shards from a killed run restarts; nothing is left behind."""
+  distill = ['scripts/distill.py', '--config=configs/distill_demo.py:tiny', '--out_dir={sb}/d']
+  train = ['scripts/train.py', '--config=configs/demo_target_v2.py:quick', '--workdir={sb}/run']
+
+  def killed_holder(rel, what):
+    """setup: a process that took sb/rel's lock, then died by kill -9 (its .lock stays)."""
+    def setup(sb, fx):
+      _hold_lock(rel, what)(sb, fx)
+      holder = _HOLDERS.pop(sb)
+      holder.kill()
+      holder.wait()
+    return setup
+
+  def stale_manifest(sb, fx):
+    _write(f'{sb}/d/manifest.json', json.dumps({'fingerprint': 'a killed run of other '
+                                                'settings', 'shards': [], 'complete': False}))
+
+  def complete(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    manifest = json.load(open(os.path.join(sb, 'd', 'manifest.json')))
+    return None if manifest.get('complete') else 'wrong: manifest not complete'
+
+  return [
+      Case('distill_after_kill9_holder', 'locks', distill, 'ok',
+           setup=killed_holder('d', 'distillation'), check=_all(complete, _no_leftovers('d'))),
+      Case('distill_stale_shardless_manifest', 'locks', distill, 'ok', setup=stale_manifest,
+           check=_all(complete, _no_leftovers('d'))),
+      Case('distill_live_holder', 'locks', distill, 'error', 'another distillation',
+           setup=_hold_lock('d', 'distillation'), check=_release),
+      Case('train_after_kill9_holder', 'locks', train, 'ok',
+           setup=killed_holder('run', 'trainer'), check=_no_leftovers('run')),
+      Case('train_finished_leaves_no_lock', 'locks', train, 'ok', check=_no_leftovers('run')),
+      Case('lock_released_after_error', 'locks', distill + ['--config.distill.max_new_tokens=0'],
+           'error', 'distill.max_new_tokens', check=_no_leftovers('d')),
+      Case('refused_run_creates_nothing', 'locks', ['scripts/benchmark.py',
+                                                    '--config=configs/bench_tiny.py',
+                                                    '--config.bench.num_prompts=0',
+                                                    '--out_dir={sb}/o'],
+           'error', 'num_prompts', check=_absent('o')),
+      Case('api_lock_removed_on_exit', 'locks', _api('''
+          import os
+          from dspec import files
+          with files.directory_lock('{sb}/run', 'trainer'):
+            pass
+          assert os.listdir('{sb}/run') == [], os.listdir('{sb}/run')'''), 'ok'),
+  ]
+
+
 def all_cases() -> list:
   return (decode_cases() + train_cases() + distill_cases() + convert_cases() + bench_cases()
-          + api_cases())
+          + api_cases() + output_cases() + api_arg_cases() + config_cases() + context_cases()
+          + named_file_cases() + lock_cases())
 
 
 # ------------------------------------------------------------------------------ running
@@ -972,7 +1572,7 @@ def _limit_memory(gb):
 def classify(case: Case, proc, problem: Optional[str], fill) -> tuple[str, str]:
   """(category, note) of one finished case."""
   if proc is None:
-    return 'traceback', 'timed out'
+    return 'hang', f'no exit within {case.timeout} s'
   stderr = proc.stderr
   errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
   if problem and problem.startswith('data loss'):
@@ -1024,11 +1624,34 @@ def run_case(case: Case, scratch: str, fx: str) -> tuple[str, str, float]:
   return category, note, time.time() - t0
 
 
+def markdown_table(results: list, wall_s: float) -> str:
+  """The counts per group and category, the command and the cases that were not clean."""
+  groups = list(dict.fromkeys(r['group'] for r in results))
+  head = ['group', 'cases', *CATEGORIES]
+  lines = ['# Red-team sweep', '',
+           f'`python scripts/redteam.py` ({time.strftime("%Y-%m-%d", time.gmtime())}, '
+           f'{wall_s / 60:.0f} min on {os.cpu_count()} CPU cores): {len(results)} cases, '
+           'each in its own subprocess and scratch directory (categories: the docstring of '
+           'scripts/redteam.py).', '',
+           '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for group in groups + ['total']:
+    rows = [r for r in results if group in ('total', r['group'])]
+    cells = [group, len(rows)] + [sum(r['category'] == c for r in rows) for c in CATEGORIES]
+    lines.append('| ' + ' | '.join(f'**{c}**' if group == 'total' else str(c)
+                                   for c in cells) + ' |')
+  bad = [r for r in results if r['category'] in BAD]
+  lines += ['', 'Not clean: ' + ('none.' if not bad else '')]
+  lines += [f'- {r["group"]}/{r["name"]}: {r["category"]} ({r["note"]})' for r in bad]
+  return '\n'.join(lines) + '\n'
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='', help='comma-separated substrings: run the '
                       'cases whose group/name contains one of them')
   parser.add_argument('--json', default='', help='also write the results here')
+  parser.add_argument('--table', default='', help='also write the counts per group as a '
+                      'markdown table here')
   parser.add_argument('--keep', action='store_true', help='keep the scratch directory')
   args = parser.parse_args()
   only = args.only.split(',')
@@ -1058,7 +1681,10 @@ def main():
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'counts': counts, 'cases': results}, f, indent=1)
-  bad = counts['traceback'] + counts['silently wrong'] + counts['data loss']
+  if args.table:
+    with open(args.table, 'w') as f:
+      f.write(markdown_table(results, time.time() - t_start))
+  bad = sum(counts[c] for c in BAD)
   sys.exit(1 if bad else 0)
 
 
