@@ -256,6 +256,16 @@ def check_distinct(outputs: Mapping[str, str], inputs: Mapping[str, str] = {}) -
                               'refusing to write into an input (give another path)')
 
 
+def check_outputs(outputs: Mapping[str, str], inputs: Mapping[str, str] = {}, *,
+                  force: bool = False) -> None:
+  """`check_distinct`, then `check_output_file` for every output given (None: not asked
+  for): what a script runs before any work, so a bad output path costs nothing."""
+  check_distinct(outputs, inputs)
+  for flag, path in outputs.items():
+    if path is not None:
+      check_output_file(path, flag, force=force)
+
+
 # ---------------------------------------------------------------------------------- locks
 
 LOCK_FILE = '.lock'

@@ -21,10 +21,10 @@ from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import common  # noqa: E402
-from dspec import cli  # noqa: E402
-from dspec.files import write_json_atomic  # noqa: E402
+from dspec import cli, files  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
+_FORCE = flags.DEFINE_bool('force', False, 'Replace an --out file that dspec did not write.')
 _PRESET = flags.DEFINE_string('preset', 'roofline100m', 'Model preset in configs/common.py.')
 _NEW_TOKENS = flags.DEFINE_integer('new_tokens', 64, 'Tokens to generate.')
 _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 32, 'Prompt length (random ids).')
@@ -34,6 +34,7 @@ _HF = flags.DEFINE_bool('hf', True, 'Also time transformers generate.')
 
 def main(argv):
   del argv
+  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
   from dspec.bench.timing import median_time, read_bandwidth_bytes_per_s
   from dspec.decoding.engine import SpeculativeEngine
   from dspec.models.config import TransformerConfig
@@ -96,7 +97,7 @@ def main(argv):
                   torch_threads=torch.get_num_threads())
   print(json.dumps(result, indent=1))
   if _OUT.value:
-    write_json_atomic(_OUT.value, result)
+    files.write_json_atomic(_OUT.value, files.mark(result, 'bench_ar'))
 
 
 if __name__ == '__main__':

@@ -14,14 +14,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
-from dspec.files import write_json_atomic  # noqa: E402
+from dspec import cli, files  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', 'Decode config file.',
-                                          lock_config=True)
+_CONFIG = cli.define_config('configs/demo.py', 'Decode config file.')
 _OUT = flags.DEFINE_string('out', None, 'Where to write the timings JSON.')
+_FORCE = flags.DEFINE_bool('force', False, 'Replace an --out file that dspec did not write.')
 _REPEATS = flags.DEFINE_integer('repeats', 30, 'Timed repeats (median).')
 _RANDOM_LAYERS = flags.DEFINE_integer('random_dflash_layers', 0,
                                       'Measure an untrained DFlash drafter of N layers.')
@@ -45,6 +43,7 @@ def _random_dflash(cfg, target):
 
 def main(argv):
   del argv
+  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
   from flax import nnx
 
   from dspec import loading
@@ -76,7 +75,7 @@ def main(argv):
         f'draft/verify = {result["draft_over_verify"]:.3f} '
         f'(propose/verify {result["propose_over_verify"]:.3f})')
   if _OUT.value:
-    write_json_atomic(_OUT.value, result)
+    files.write_json_atomic(_OUT.value, files.mark(result, 'bench_draft_cost'))
 
 
 if __name__ == '__main__':

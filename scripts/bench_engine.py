@@ -36,10 +36,10 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from configs import common  # noqa: E402
-from dspec import cli  # noqa: E402
-from dspec.files import write_json_atomic  # noqa: E402
+from dspec import cli, files  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', None, 'Write the results JSON here.')
+_FORCE = flags.DEFINE_bool('force', False, 'Replace an --out file that dspec did not write.')
 _PRESET = flags.DEFINE_string('preset', 'roofline100m', 'Random-weight model preset.')
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'dspec target checkpoint instead.')
 _NEW_TOKENS = flags.DEFINE_integer('new_tokens', 96, 'Tokens to generate per prompt.')
@@ -160,6 +160,7 @@ def no_proposal_study(cfg, target, graphdef, params, stop_ids) -> dict:
 
 def main(argv):
   del argv
+  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -200,7 +201,7 @@ def main(argv):
               'no_proposal': no_proposal_study(cfg, target, graphdef, params, stop_ids)}
     print(json.dumps(result, indent=1))
     if _OUT.value:
-      write_json_atomic(_OUT.value, result)
+      files.write_json_atomic(_OUT.value, files.mark(result, 'bench_engine'))
     return
 
   ar_engine = SpeculativeEngine(graphdef, stop_ids=stop_ids)
@@ -260,7 +261,7 @@ def main(argv):
         'speedup': (t_ar_total - t_prefill) / (t_total - t_prefill), 'lossless': lossless}
   print(json.dumps(result, indent=1))
   if _OUT.value:
-    write_json_atomic(_OUT.value, result)
+    files.write_json_atomic(_OUT.value, files.mark(result, 'bench_engine'))
 
 
 if __name__ == '__main__':

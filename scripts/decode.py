@@ -45,10 +45,7 @@ def _check_outputs(cfg, files) -> None:
             '--config.model.tokenizer_dir': cfg.model.tokenizer_dir}
   if cfg.drafter in cfg.drafters:
     inputs[f'--config.drafters.{cfg.drafter}.path'] = cfg.drafters[cfg.drafter].get('path')
-  files.check_distinct(outputs, inputs)
-  for flag, path in outputs.items():
-    if path is not None:
-      files.check_output_file(path, flag, force=_FORCE.value)
+  files.check_outputs(outputs, inputs, force=_FORCE.value)
 
 
 def main(argv):

@@ -1237,6 +1237,16 @@ def output_cases() -> list:
         '--config.training.init_from={sb}/init', base=train, message='inside the input',
         setup=_steps(copy_fx('target', 'init'), _snapshot('init')), check=_unchanged('init'),
         cwd='repo'),
+      # the bench_* scripts' --out
+      o('bench_ar_foreign_out', '--out=r.json', base=[f'{REPO}/scripts/bench_ar.py'],
+        message='not written by dspec', setup=_steps(_planted('r.json'), _snapshot('r.json')),
+        check=_unchanged('r.json')),
+      o('bench_engine_out_symlink', '--out=link.json', base=[f'{REPO}/scripts/bench_engine.py'],
+        message='symlink', setup=_steps(_planted('r.json'), _link('r.json', 'link.json'),
+                                        _snapshot('r.json')), check=_unchanged('r.json')),
+      o('bench_draft_cost_out_is_dir', '--out=keep', base=[
+          f'{REPO}/scripts/bench_draft_cost.py'], message='directory',
+        setup=_steps(_planted(), _snapshot('keep')), check=_unchanged('keep')),
       # benchmark --out_dir
       o('bench_foreign_results_json', '--out_dir={sb}/o', base=bench, message='did not write',
         setup=_steps(lambda sb, fx: _write(f'{sb}/o/results.json', '[{"mine": 1}]'),
