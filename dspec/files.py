@@ -81,9 +81,14 @@ def _refuse_unwritable(path: str) -> bool:
 
 
 def _new_file_mode() -> int:
-  """The mode `open(path, 'w')` gives a new file under the current umask."""
-  umask = os.umask(0o022)
-  os.umask(umask)
+  """The mode `open(path, 'w')` gives a new file under the current umask (read from /proc
+  where it can be, since setting it to read it is not thread-safe)."""
+  try:
+    with open('/proc/self/status') as f:
+      umask = next(int(line.split()[1], 8) for line in f if line.startswith('Umask:'))
+  except (OSError, StopIteration, ValueError, IndexError):
+    umask = os.umask(0o022)
+    os.umask(umask)
   return 0o666 & ~umask
 
 
