@@ -53,6 +53,8 @@ def read_hf_config(hf_dir) -> dict:
       config = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f'{path}: not valid JSON ({e})') from None
+  except OSError as e:
+    raise ValueError(f'{path}: cannot be read ({e.strerror or e})') from None
   if not isinstance(config, dict):
     raise ValueError(f'{path}: must hold a JSON object, got {type(config).__name__}')
   return config

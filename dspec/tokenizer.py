@@ -186,7 +186,10 @@ def load_tokenizer(model_dir: str | None, vocab_size: int, *,
   """
   if model_dir is not None and not os.path.isdir(model_dir):
     raise FileNotFoundError(f'model directory {model_dir} does not exist')
-  if model_dir is not None and os.path.isfile(os.path.join(model_dir, 'tokenizer.json')):
+  tokenizer_file = os.path.join(model_dir, 'tokenizer.json') if model_dir else None
+  if tokenizer_file and os.path.lexists(tokenizer_file) and not os.path.isfile(tokenizer_file):
+    raise ValueError(f'{tokenizer_file}: not a readable file')
+  if tokenizer_file and os.path.isfile(tokenizer_file):
     tok = HFTokenizer(model_dir)
     if tok.vocab_size > vocab_size:
       raise ValueError(
@@ -287,14 +290,16 @@ def _as_id_list(value, where: str) -> list[int]:
 
 
 def _read_json(path: str) -> dict:
-  """The JSON object in `path`, or {} when the file does not exist."""
-  if not os.path.isfile(path):
+  """The JSON object in `path`, or {} when nothing is there."""
+  if not os.path.lexists(path):
     return {}
   try:
     with open(path) as f:
       data = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f'{path}: not valid JSON ({_first_line(e)})') from None
+  except OSError as e:
+    raise ValueError(f'{path}: cannot be read ({e.strerror or e})') from None
   return data if isinstance(data, dict) else {}
 
 

@@ -20,7 +20,7 @@ from dspec.models.formats.config_fields import (PROPOSAL_FIELDS, SPECULATORS_CON
                                                 SPECULATORS_FIELDS, VERIFIER_FIELDS,
                                                 unknown_fields)
 from dspec.models.formats.hf_config import rope_theta
-from dspec.models.formats.safetensors_io import open_safetensors, read_params
+from dspec.models.formats.safetensors_io import read_params, read_tensor
 
 ZLAB_ARCHITECTURES = {'DFlashDraftModel': 'dflash', 'DFlash2DraftModel': 'dflash2'}
 # How each form with a config.json is recognised (the words of a wrong-form error).
@@ -46,6 +46,8 @@ def read_json(path: str) -> dict:
       config = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise FormatError(f'{path}: not valid JSON ({e})') from None
+  except OSError as e:
+    raise FormatError(f'{path}: cannot be read ({e.strerror or e})') from None
   if not isinstance(config, dict):
     raise FormatError(f'{path}: not a JSON object')
   return config
@@ -262,10 +264,8 @@ def read_draft_vocab(path: str, tensors: dict, vocab: int, draft_vocab_size: int
     if name not in tensors:
       raise FormatError(f'{path}: tensor {name!r} is missing (draft_vocab_size '
                         f'{draft_vocab_size} < vocab {vocab})')
-  with open_safetensors(tensors['t2d']) as f:
-    t2d = np.asarray(f.get_tensor('t2d'))
-  with open_safetensors(tensors['d2t']) as f:
-    d2t = np.asarray(f.get_tensor('d2t'))
+  t2d = read_tensor(tensors['t2d'], 't2d', FormatError)
+  d2t = read_tensor(tensors['d2t'], 'd2t', FormatError)
   ids = np.flatnonzero(t2d)
   if t2d.shape != (vocab,) or d2t.shape != (draft_vocab_size,) or len(ids) != len(d2t):
     raise FormatError(f'{tensors["t2d"]}: tensors t2d {t2d.shape} / d2t {d2t.shape} do not '

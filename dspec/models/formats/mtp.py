@@ -44,8 +44,8 @@ from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
                                               fill_params, read_drafter, speculators_keys)
 from dspec.models.formats.hf_config import config_from_hf
-from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
-                                                 tensor_files, write_model_dir)
+from dspec.models.formats.safetensors_io import (read_tensor, stored_tensors, tensor_files,
+                                                 write_model_dir)
 from dspec.models.mtp import MTP, MTPConfig
 
 # Per-depth (non-block) leaves: dspec name -> (stored name, transposed).
@@ -149,8 +149,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
 
 
 def _same_tensor(tensors: dict, a: str, b: str) -> bool:
-  with open_safetensors(tensors[a]) as fa, open_safetensors(tensors[b]) as fb:
-    x, y = np.asarray(fa.get_tensor(a)), np.asarray(fb.get_tensor(b))
+  x, y = read_tensor(tensors[a], a, FormatError), read_tensor(tensors[b], b, FormatError)
   return x.shape == y.shape and np.array_equal(x, y)
 
 

@@ -38,6 +38,16 @@ def open_safetensors(path: str):
     raise ValueError(f'{path}: unreadable safetensors file ({e})') from None
 
 
+def read_tensor(file: str, name: str, error: type = ValueError) -> np.ndarray:
+  """Tensor `name` of the safetensors `file` as a numpy array; `error` naming both when it
+  cannot be read."""
+  with open_safetensors(file) as f:
+    try:
+      return np.asarray(f.get_tensor(name))
+    except SafetensorError as e:
+      raise error(f'{file}: cannot read tensor {name!r} ({e})') from None
+
+
 def tensor_files(directory: str) -> dict[str, str]:
   """Maps every tensor name of a model directory (one file or an index) to its file."""
   index_path = os.path.join(directory, INDEX_FILE)
@@ -50,6 +60,8 @@ def tensor_files(directory: str) -> dict[str, str]:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as e:
       raise ValueError(f'{index_path}: not a safetensors index ({e!r})') from None
+    except OSError as e:
+      raise ValueError(f'{index_path}: cannot be read ({e.strerror or e})') from None
   if os.path.exists(single_path):
     with open_safetensors(single_path) as f:
       return {name: single_path for name in f.keys()}
