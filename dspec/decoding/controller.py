@@ -39,13 +39,14 @@ from typing import Optional, Tuple
 import jax
 import numpy as np
 
+from dspec import distributed
 from dspec.decoding import costs as costs_lib
 from dspec.decoding.costs import CostTable
 from dspec.decoding.drafter import NoDrafter, TruncatedDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, shadow_match,
                                      shadow_proposal)
-from dspec.decoding.policy import ControllerConfig, PolicyState, decide
+from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
 from dspec.sampling import SamplingSpec
@@ -173,7 +174,7 @@ class VerifyLengthController:
         t0 = time.perf_counter()
         out = self.engines[g].run(target_params, drafter_params, copy, steps,
                                   force_wide=g > 0)
-        done = max(int(jax.device_get(out.step) - jax.device_get(state.step)), 1)
+        done = max(int(distributed.host_values(out.step - state.step)), 1)
         if r:
           best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
     self.costs.costs.update({(b, g): c for g, c in best.items()})
@@ -183,7 +184,7 @@ class VerifyLengthController:
   def _profile_or_load(self, target_params, drafter_params, state) -> None:
     """The table from the cache beside the XLA cache (`costs.cached_path`) when this
     model, drafter, shape and device were profiled before, else `profile` (and cached)."""
-    path = costs_lib.cached_path(
+    path = None if distributed.active() else costs_lib.cached_path(
         (self.drafter, self.tiers, self.sampling, self.config.profile_steps,
          self.config.profile_repeats, self.placement and dict(self.placement.mesh.shape)),
         (target_params, drafter_params, state))
@@ -195,6 +196,11 @@ class VerifyLengthController:
     b = state.tokens_BL.shape[0]
     if not self.costs.has(b, self.tiers):
       self.profile(target_params, drafter_params, state)
+      if distributed.active():   # every process decides from process 0's timings
+        shared = distributed.broadcast_json(
+            [[[b, g, c] for (b, g), c in self.costs.costs.items()], self.costs.propose[b]])
+        self.costs.costs.update({(b, g): c for b, g, c in shared[0]})
+        self.costs.propose[b] = shared[1]
       if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         CostTable({k: c for k, c in self.costs.costs.items() if k[0] == b},
@@ -215,7 +221,7 @@ class VerifyLengthController:
     exact = self.engines[0].sampling.greedy or not self.drafter.samples_proposals
     carried = self._carried.get(b)
     estimate = AcceptanceEstimate(b, self.max_gamma, self.config, carried)
-    hist, reached, done, num, prompt_len, max_new, steps_B = jax.device_get((
+    hist, reached, done, num, prompt_len, max_new, steps_B = distributed.host_values((
         state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
         state.num_tokens_B, state.prompt_len_B, state.max_new_tokens, state.stats.steps_B))
     remaining = lambda: max_new - (num - prompt_len)
@@ -229,7 +235,7 @@ class VerifyLengthController:
     if policy.retrospective and policy.cheap:   # first, judged on the prompt's own text
       estimate.observe_shadow(*self._judge_in_retrospect(state, np.zeros_like(num), num))
     while not done.all():
-      decision = decide(estimate, self.costs, policy)
+      decision = self.decide(estimate, policy)
       g = decision.tier
       t0 = time.perf_counter()
       num_before = num
@@ -244,7 +250,7 @@ class VerifyLengthController:
       state = engine.run(target_params, drafter_params, state, decision.chunk)
       if shadow_now:
         matched = self._on_mesh(shadow_match)(state.tokens_BL, state.num_tokens_B, *proposed)
-      new_hist, reached, done, num, matched, steps_B = jax.device_get((
+      new_hist, reached, done, num, matched, steps_B = distributed.host_values((
           state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
           state.num_tokens_B, matched, state.stats.steps_B))
       if decision.shadow and policy.retrospective and not done.all():
@@ -266,13 +272,17 @@ class VerifyLengthController:
     self._carried[b] = estimate.pooled()
     return state
 
+  def decide(self, estimate: AcceptanceEstimate, policy: PolicyState) -> Decision:
+    """The next chunk's `Decision`: `policy.decide` on this controller's cost table."""
+    return decide(estimate, self.costs, policy)
+
   def _judge_in_retrospect(self, state, since_B: np.ndarray, num_B: np.ndarray):
     """Host copies of `retrospective_match` over the lengths since `since_B`, at most the
     last `max_steps_per_decision` before `num_B` (host copies of the state's counts)."""
     width = self.config.max_steps_per_decision
     judge = self._on_mesh(functools.partial(retrospective_match, self.drafter, width))
-    return jax.device_get(judge(state.tokens_BL, self._put(np.maximum(since_B, num_B - width)),
-                                state.num_tokens_B))
+    return distributed.host_values(judge(
+        state.tokens_BL, self._put(np.maximum(since_B, num_B - width)), state.num_tokens_B))
 
   def tier_steps(self) -> dict:
     """{tier: verify steps summed over rows} of the last `generate`."""

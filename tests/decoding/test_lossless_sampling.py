@@ -6,6 +6,7 @@ three consecutive tokens, including adversarial drafts and a deliberately broken
 the test must catch; (2) the whole engine on a 12-token transformer, every drafter.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -172,28 +173,31 @@ def test_engine_sampling_is_lossless(small_vocab_model, name, drafter, spec, tem
 # ------------------------------------------------- the controller switching tiers, T > 0
 
 class _ScheduledController(VerifyLengthController):
-  """The controller with its tier choice replaced by a fixed cycle (one step per chunk),
-  so every generation switches tiers mid-way whatever the scores say."""
+  """The controller with its decisions replaced by a fixed cycle of tiers (one step per
+  chunk, no shadow drafts), so every generation switches tiers mid-way whatever the
+  scores say."""
 
   def __init__(self, *args, schedule, **kwargs):
     super().__init__(*args, **kwargs)
     self.schedule, self.chosen = schedule, []
 
-  def choose(self, scores, payable):
+  def decide(self, estimate, policy):
     g = self.schedule[len(self.chosen) % len(self.schedule)]
     self.chosen.append(g)
-    return g
+    decision = super().decide(estimate, policy)
+    return dataclasses.replace(decision, tier=g, chunk=1, probe=False, shadow=False,
+                               plain_ar=False,
+                               state=dataclasses.replace(decision.state, prev=g, chunk=1))
 
 
 @pytest.mark.parametrize('name,drafter,schedule', [
     ('self', SelfDrafter(num_draft=2), (0, 2, 0)),
-    ('oracle_adversarial', OracleDrafter(num_draft=2, acceptance=(0.0,)), (2, 2, 0)),
+    ('oracle_adversarial', OracleDrafter(num_draft=2, acceptance=(0.0,)), (0, 2, 2)),
 ])
 def test_controller_switching_tiers_is_lossless(small_vocab_model, name, drafter, schedule):
   """Sampled output under the controller equals the target's distribution (first token and
   the 3-token joint) while every generation moves from AR to a verifying tier: tier 0
-  steps (the drafter idles), then a tier that drafts (it syncs first). The oracle's first
-  chunk is the controller's own tier-0 shadow look (its drafts are exact to judge)."""
+  steps (the drafter idles), then a tier that drafts (it syncs first)."""
   graphdef, params = nnx.split(small_vocab_model)
   rows = 30_000
   costs = CostTable({(rows, g): 1.0 for g in (0, 1, 2)}, {rows: 0.0})
