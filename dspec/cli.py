@@ -14,6 +14,13 @@ from dspec.errors import UserError
 flags.DEFINE_string(
     'compilation_cache_dir', compiled_programs.DEFAULT_CACHE_DIR,
     'Persistent cache of compiled XLA programs, so a rerun does not recompile; "" turns it off.')
+# Multi-process runs (dspec/distributed.py, docs/SCALE.md): all three, or none (a cluster's
+# environment is read with --config.distributed=True).
+flags.DEFINE_string('coordinator', None, 'host:port of process 0 (multi-process runs).')
+flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run.')
+flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (0..N-1).')
+flags.DEFINE_float('distributed_timeout', 120.0, 'Seconds to wait for the coordinator and '
+                   'for every process to join (multi-process runs).')
 
 _USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
 _OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')
@@ -46,6 +53,14 @@ def _first_line(e: BaseException) -> str:
   if any(line.startswith('Traceback') for line in lines):
     return f'{lines[0]} {lines[-1]}' if not lines[0].startswith('Traceback') else lines[-1]
   return ' '.join(lines) or type(e).__name__
+
+
+def _peer_failure(e: BaseException):
+  """The one line for a multi-process run's error caused by another process, or None."""
+  if 'jax' not in sys.modules:
+    return None
+  from dspec import distributed
+  return distributed.peer_failure(e)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -96,7 +111,22 @@ def _config_attribute_error(e: AttributeError):
 
 def _exit_with(message: str, status: int = 1):
   print(f'error: {message}', file=sys.stderr)
+  if 'jax' in sys.modules:
+    from dspec import distributed
+    if distributed.active():   # not the exit barrier: the other processes may be gone
+      distributed.exit_now(status)
   sys.exit(status)
+
+
+def _join_processes():
+  """jax.distributed.initialize from --coordinator/--num_processes/--process_id."""
+  f = flags.FLAGS
+  if f.coordinator is None and f.num_processes is None and f.process_id is None:
+    return
+  from dspec import distributed
+  distributed.initialize(f.coordinator, f.num_processes, f.process_id,
+                         timeout_s=f.distributed_timeout)
+  distributed.quiet_unless_main()
 
 
 def run(main):
@@ -111,11 +141,12 @@ def run(main):
 
   def wrapped(argv):
     try:
+      _join_processes()
       if flags.FLAGS.compilation_cache_dir:
         compiled_programs.enable_persistent_cache(flags.FLAGS.compilation_cache_dir)
       return main(argv)
     except _user_error_types() as e:
-      _exit_with(_first_line(e))
+      _exit_with(_peer_failure(e) or _first_line(e))
     except AttributeError as e:   # a config without a field the script reads
       missing = _config_attribute_error(e)
       if missing is None:
@@ -124,6 +155,8 @@ def run(main):
     except Exception as e:  # pylint: disable=broad-except
       if _out_of_memory(e):
         _exit_with(_oom_message(e))
+      if _peer_failure(e):
+        _exit_with(_peer_failure(e))
       raise
     except KeyboardInterrupt:
       _exit_with('interrupted', 128 + signal.SIGINT)

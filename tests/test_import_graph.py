@@ -19,7 +19,7 @@ LAYERS = (
     ('base', ('dspec.errors', 'dspec.files', 'dspec.pytrees', 'dspec.console',
               'dspec.compiled_programs', 'dspec.metrics')),
     ('core', ('dspec.checkpoint', 'dspec.config_checks', 'dspec.sampling', 'dspec.tokenizer',
-              'dspec.datasets')),
+              'dspec.datasets', 'dspec.distributed')),
     ('models', ('dspec.models.*',)),
     ('formats', ('dspec.models.formats.*',)),     # the models' checkpoint formats
     ('loading', ('dspec.hf_import', 'dspec.hf_export', 'dspec.sharding', 'dspec.loading')),

@@ -8,6 +8,10 @@ they were placed with (`Placement.put_params` / `create_module`); the decode sta
 cache, tokens, drafter state, stats) is sharded by its shape-suffix names: batch over the
 `batch` mesh axes, KV heads over `tensor`. Calls run under `jax.set_mesh`, so Pallas
 kernels are wrapped in `jax.shard_map` (see `pallas_kernels/block_attention/api.py`).
+
+Across processes (`dspec.distributed`) the leaves the host reads between calls (tokens,
+counts, done flags, stats) are replicated, so every process reads the same values and the
+controller takes the same decisions everywhere; prompts enter as global arrays.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import functools
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
+from dspec import distributed
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine
 from dspec.sharding import Placement
 
@@ -38,7 +43,17 @@ class ShardedEngine:
     return getattr(self.engine, name)
 
   def _state_sh(self, tree):
-    return self.placement.shardings(self.placement.state_specs(tree))
+    specs = self.placement.state_specs(tree)
+    if distributed.active() and hasattr(specs, 'stats'):   # a DecodeState: host-readable
+      specs = specs.replace(tokens_BL=P(), num_tokens_B=P(), prompt_len_B=P(), done_B=P(),
+                            stats=jax.tree.map(lambda _: P(), specs.stats,
+                                               is_leaf=lambda x: isinstance(x, P)))
+    return self.placement.shardings(specs)
+
+  def _placed(self, state):
+    """Across processes, `state` moved to the shardings the programs take (a no-op for
+    leaves already there, e.g. a state a caller re-placed with `put_state`)."""
+    return jax.device_put(state, self._state_sh(state)) if distributed.active() else state
 
   def _jitted(self, kind, key, build):
     if (kind, key) not in self._fns:
@@ -68,10 +83,15 @@ class ShardedEngine:
           out_shardings=self._state_sh(out))
 
     fn = self._jitted('prefill', (b, p, buffer_len), build)
+    if distributed.active():   # global arrays, each process holding its devices' rows
+      prompt_BP, prompt_len_B = self.placement.put_batch((prompt_BP, prompt_len_B))
+      args = (target_params, drafter_params, prompt_BP, prompt_len_B) + args[4:]
     with self.placement.context():
       return fn(*args)
 
   def step(self, target_params, drafter_params, state, proposal=None):
+    state = self._placed(state)
+
     def build():
       state_sh = self._state_sh(state)
       return jax.jit(self.engine.step_fn, donate_argnums=2, in_shardings=(
@@ -87,6 +107,8 @@ class ShardedEngine:
 
   def run(self, target_params, drafter_params, state, max_steps=None, *,
           until_row_done: bool = False, force_wide: bool = False):
+    state = self._placed(state)
+
     def build():
       state_sh = self._state_sh(state)
       rep = self.placement.shardings(jax.sharding.PartitionSpec())
@@ -98,21 +120,12 @@ class ShardedEngine:
     key = (until_row_done, jax.tree.structure(state),
            tuple(x.shape for x in jax.tree.leaves(state)))
     fn = self._jitted('run', key, build)
-    limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps))
-    wide = jax.device_put(np.bool_(force_wide))   # traced, as the engine's: no recompile
+    rep = self.placement.shardings(jax.sharding.PartitionSpec())
+    limit = jax.device_put(np.int32(NO_STEP_LIMIT if max_steps is None else max_steps), rep)
+    wide = jax.device_put(np.bool_(force_wide), rep)   # traced, as the engine's: no recompile
     with self.placement.context():
-      state = fn(target_params, drafter_params, state, limit, wide)
-    return gather_outputs(state) if jax.process_count() > 1 else state
+      return fn(target_params, drafter_params, state, limit, wide)
 
   def generate(self, target_params, drafter_params, state):
     return self.run(target_params, drafter_params, state)
 
-
-def gather_outputs(state):
-  """Multi-host: the tokens and counters every host reads, gathered to host numpy (rows
-  of other hosts are not addressable); caches and drafter state stay sharded."""
-  tokens_BL, num_tokens_B, prompt_len_B, done_B, stats = multihost_utils.process_allgather(
-      (state.tokens_BL, state.num_tokens_B, state.prompt_len_B, state.done_B, state.stats),
-      tiled=True)
-  return state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B,
-                       prompt_len_B=prompt_len_B, done_B=done_B, stats=stats)

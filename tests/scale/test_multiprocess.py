@@ -1,0 +1,156 @@
+"""Multi-process runs on JAX's own runtime (jax.distributed on 127.0.0.1, gloo collectives):
+2 processes x 2 simulated CPU devices decode the demo on a data=2,tensor=2 mesh with the
+same tokens as one process (greedy and sampled, fixed and auto verification, every process
+taking the controller's decisions alike), and each failure mode ends in one line, in time.
+
+Every run goes through `scripts/launch_local.py`, which bounds it in time and kills whole
+process groups, so a failing test leaves no process behind.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
+LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
+# MTP fixed and auto (controller decisions broadcast), n-gram, and a sampled run.
+RUNS = 'mtp:fixed:0,mtp:auto:0,ngram:fixed:0,mtp:fixed:1'
+COMMON = ['--config=configs/demo.py', '--config.max_new_tokens=12', f'--runs={RUNS}',
+          '--compilation_cache_dir=']
+
+
+def _run(argv, timeout, env=None):
+  return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                        env=env, stdin=subprocess.DEVNULL)
+
+
+def _cpu_env(devices):
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  return env
+
+
+@pytest.fixture(scope='module')
+def single_and_multi(tmp_path_factory):
+  """One process on 4 devices and 2 processes x 2 devices, side by side."""
+  tmp = tmp_path_factory.mktemp('mp')
+  one, two = str(tmp / 'one.json'), str(tmp / 'two.json')
+  mesh = '--config.mesh=data=2,tensor=2'
+  single = subprocess.Popen([sys.executable, DECODE, *COMMON, mesh, f'--out={one}'],
+                            cwd=REPO, env=_cpu_env(4), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+  multi = _run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '2',
+                '--timeout', '400', '--', DECODE, *COMMON, mesh, f'--out={two}'], 420)
+  out, err = single.communicate(timeout=420)
+  assert single.returncode == 0, err[-3000:]
+  assert multi.returncode == 0, multi.stderr[-3000:]
+  with open(one) as f1, open(two) as f2:
+    return json.load(f1), json.load(f2), multi
+
+
+def test_two_processes_decode_as_one(single_and_multi):
+  one, two, _ = single_and_multi
+  assert one['processes'] == 1 and two['processes'] == 2
+  for run in RUNS.split(','):
+    assert two['runs'][run]['ids'] == one['runs'][run]['ids'], run
+    assert sum(map(len, one['runs'][run]['ids'])) > 0
+
+
+def test_every_process_takes_the_same_decisions(single_and_multi):
+  _, two, _ = single_and_multi
+  for run in RUNS.split(','):
+    digests = two['runs'][run]['trace_digests']
+    assert len(digests) == 2 and digests[0] == digests[1], run
+  assert two['runs']['mtp:auto:0']['tier_steps']   # the controller ran and recorded tiers
+
+
+def test_only_process_0_prints(single_and_multi):
+  _, _, multi = single_and_multi
+  lines = [l for l in multi.stdout.splitlines() if 'tau=' in l]
+  assert lines and all(l.startswith('[p0] ') for l in lines), multi.stdout[-2000:]
+
+
+def _error_lines(stderr):
+  return [l for l in stderr.splitlines() if 'error:' in l]
+
+
+def test_failure_modes_are_one_line_each():
+  sys.path.insert(0, os.path.join(REPO, 'scripts'))
+  from launch_local import free_port   # pylint: disable=import-outside-toplevel
+  port = free_port()
+  common = [DECODE, '--config=configs/demo.py', '--out=/dev/null',
+            '--compilation_cache_dir=', '--distributed_timeout=4']
+  # Process 1 of 2 with nobody at the coordinator's address.
+  proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
+               '--num_processes=2', '--process_id=1'], 60, _cpu_env(1))
+  assert proc.returncode != 0
+  assert _error_lines(proc.stderr) and 'cannot reach the coordinator' in proc.stderr
+  assert 'Traceback' not in proc.stderr
+  # Two processes that disagree on --num_processes.
+  port = free_port()
+  argv = lambda n, i: [sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
+                       f'--num_processes={n}', f'--process_id={i}']
+  procs = [subprocess.Popen(argv(2, 0), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL),
+           subprocess.Popen(argv(3, 1), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)]
+  try:
+    outs = [p.communicate(timeout=90) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode != 0
+    assert len(_error_lines(err)) == 1, err[-2000:]
+    assert 'Traceback' not in err
+  # Bad flags: one line before anything starts.
+  proc = _run([sys.executable, *common, '--coordinator=127.0.0.1', '--num_processes=2',
+               '--process_id=0'], 60, _cpu_env(1))
+  assert proc.returncode != 0 and 'host:port' in proc.stderr
+  proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
+               '--num_processes=2'], 60, _cpu_env(1))
+  assert proc.returncode != 0 and '--process_id' in proc.stderr
+
+
+def test_a_dead_peer_ends_the_run_in_one_line(tmp_path):
+  """Process 1 is killed (-9) once the first of three runs is done, while both decode the
+  second; process 0 ends with one error line, well before the runtime's heartbeat
+  timeout."""
+  import signal
+  import time
+  sys.path.insert(0, os.path.join(REPO, 'scripts'))
+  from launch_local import free_port   # pylint: disable=import-outside-toplevel
+  port = free_port()
+  argv = lambda i: [sys.executable, '-u', DECODE, '--config=configs/demo.py', '--out=/dev/null',
+                    '--compilation_cache_dir=', '--config.max_new_tokens=400',
+                    '--runs=ngram:fixed:0,ngram:fixed:1,ngram:fixed:0',
+                    '--config.mesh=data=2', f'--coordinator=127.0.0.1:{port}',
+                    '--num_processes=2', f'--process_id={i}']
+  logs = [open(tmp_path / f'p{i}.err', 'w+') for i in range(2)]   # pipes would fill up
+  procs = [subprocess.Popen(argv(i), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+                            stderr=logs[i], text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True) for i in range(2)]
+  try:
+    for line in procs[0].stdout:   # the first run is done: both are in the second
+      if line.startswith('ngram:fixed:0:'):
+        break
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    procs[0].communicate(timeout=120)
+    took = time.monotonic() - start
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+    for log in logs:
+      log.close()
+  err = (tmp_path / 'p0.err').read_text()
+  assert procs[0].returncode != 0
+  assert len(_error_lines(err)) == 1 and 'another process' in err, err[-3000:]
+  assert 'Traceback' not in err
+  assert took < 90
