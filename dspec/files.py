@@ -308,11 +308,13 @@ def directory_lock(directory: str, what: str):
   """Holds an exclusive lock on `directory` (its `.lock` file) for the `with` block.
 
   Another process asking for the same lock gets LockedError at once; the same process may
-  nest it. The `.lock` file is removed on exit; after a kill -9 it stays behind, but its
-  kernel lock died with the process, so the next run takes it over (stale, never blocking).
+  nest it. The `.lock` file is removed on exit (and `directory` too when this call created
+  it and nothing was written into it); after a kill -9 it stays behind, but its kernel lock
+  died with the process, so the next run takes it over (stale, never blocking).
   """
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise OutputPathError(f'{directory}: exists and is not a directory')
+  created = not os.path.exists(directory)
   os.makedirs(directory, exist_ok=True)
   key = os.path.realpath(directory)
   if key in _held_locks:
@@ -336,3 +338,6 @@ def directory_lock(directory: str, what: str):
         os.unlink(path)   # while still locked: a waiter re-checks the inode it locked
   finally:
     os.close(fd)
+    if created:
+      with contextlib.suppress(OSError):   # only an empty directory is removed
+        os.rmdir(directory)

@@ -1558,9 +1558,14 @@ def lock_cases() -> list:
       Case('api_lock_removed_on_exit', 'locks', _api('''
           import os
           from dspec import files
+          os.makedirs('{sb}/run')
           with files.directory_lock('{sb}/run', 'trainer'):
             pass
-          assert os.listdir('{sb}/run') == [], os.listdir('{sb}/run')'''), 'ok'),
+          assert os.listdir('{sb}/run') == [], os.listdir('{sb}/run')
+          with files.directory_lock('{sb}/new', 'trainer'):
+            pass
+          assert not os.path.exists('{sb}/new'), 'an empty directory made by the lock stayed' '''),
+           'ok'),
   ]
 
 

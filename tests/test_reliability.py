@@ -738,7 +738,11 @@ def test_a_lock_is_removed_on_exit_and_a_killed_holders_lock_is_taken_over(tmp_p
   run = str(tmp_path / 'run')
   with files.directory_lock(run, 'distillation'):
     assert os.path.exists(os.path.join(run, files.LOCK_FILE))
-  assert os.listdir(run) == []
+  assert not os.path.exists(run)   # created by the lock, left empty: removed
+  with pytest.raises(RuntimeError):
+    with files.directory_lock(run, 'distillation'):
+      raise RuntimeError('a run failing after taking the lock')
+  assert not os.path.exists(run)
   holder = subprocess.Popen([sys.executable, '-c', textwrap.dedent(f'''
       import sys, time
       sys.path.insert(0, {REPO_ROOT!r})
