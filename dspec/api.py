@@ -203,8 +203,9 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   compare_ar: also run AR on the same prompts, for `speedup` and `lossless`.
   timing_repeats: > 0 times that many runs after a warm-up (medians); 0 runs once.
   verify_length: 'auto' (the load-aware controller picks each chunk's verify length, AR
-  included, so a drafter that does not pay falls back to AR) or 'fixed' (always
-  `num_draft`).
+  included, so a drafter that does not pay falls back to AR), 'fixed' (always
+  `num_draft`) or 'tree' (a token tree of up to 32 nodes per step in one target pass:
+  per-slot top-4 trees for block drafters, the chain for the others).
   """
   if not isinstance(target, Target):
     raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')

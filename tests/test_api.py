@@ -56,6 +56,18 @@ def test_a_drafter_gives_the_ar_output(target, ar, verify_length):
     assert all('tier' in s for s in steps)
 
 
+def test_tree_verification_gives_the_ar_output(target, ar):
+  drafter = dspec.load_drafter('ngram', target=target, num_draft=4)
+  out = dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
+                       compare_ar=True, verify_length='tree')
+  assert out.ids == ar.ids and out.metrics['lossless'] is True
+  assert out.metrics['verify_length'] == 'tree'
+  assert 1.0 <= out.metrics['nodes_verified_per_step'] <= 5.0
+  with pytest.raises(ValueError, match='verify_length=tree'):
+    dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
+                   verify_length='tree', trace=True)
+
+
 def test_numpy_ids_and_tuples_are_taken_as_they_are(target, ar):
   """Validation refuses coercion, not numpy integers or tuples (issue 39)."""
   ids = tuple(np.asarray(target.tokenizer.encode(p), np.int32) for p in PROMPTS)

@@ -40,6 +40,9 @@ Contract:
                    retrospect at every length.
   set_verify_cost  (state, λ) -> state: the controller's marginal cost of one more
                    verified draft (DSpark's per-row verify lengths); the default ignores it.
+  tree_proposer    (top_k) -> the proposer tree verification drafts with
+                   (`tree_proposers.py`); the default is the chain as a degenerate tree,
+                   block drafters give per-slot top-k trees.
 A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carries the
 proposal distribution for rejection sampling (None: deterministic drafts). A draft id
 outside the target's vocabulary ends the proposal at that slot.
@@ -73,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspec.decoding.state import DraftContext, Proposal
+from dspec.decoding.tree_proposers import ChainTrees
 from dspec.sampling import processed_probs, sample_from_probs
 
 
@@ -101,6 +105,8 @@ class Drafter(Protocol):
 
   def set_verify_cost(self, state, verify_cost: float) -> Any: ...
 
+  def tree_proposer(self, top_k: int) -> Any: ...
+
 
 def empty_proposal(batch: int, num_draft: int) -> Proposal:
   """A proposal with no draft tokens in any row."""
@@ -120,6 +126,12 @@ class DrafterBase:
 
   def set_verify_cost(self, state, verify_cost: float):
     return state
+
+  def tree_proposer(self, top_k: int):
+    """How tree verification (`tree_engine.py`) drafts a tree: by default the chain
+    proposal as the degenerate tree."""
+    del top_k
+    return ChainTrees()
 
   def with_num_draft(self, num_draft: int):
     return dataclasses.replace(self, num_draft=num_draft)

@@ -30,10 +30,11 @@ from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
+from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.metrics import acceptance_metrics
 
 INT32_MAX = 2**31 - 1
-VERIFY_LENGTHS = ('auto', 'fixed')
+VERIFY_LENGTHS = ('auto', 'fixed', 'tree')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +195,26 @@ def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
 def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                        verify_length: str = 'auto', trace: bool = False,
                        controller: ControllerConfig = ControllerConfig(),
-                       placement: Optional[sharding.Placement] = None):
+                       placement: Optional[sharding.Placement] = None,
+                       tree: TreeConfig = TreeConfig()):
   """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
   picks each chunk's verify length from `controller.tiers` (up to the drafter's num_draft;
   tier 0 is plain AR; with a mesh `placement` every tier's engine is sharded); with 'fixed'
   (and for AR or host-side drafters, whose 'auto' is the
-  host loop's AR fallback, `host_fallback`) every step verifies the whole proposal."""
+  host loop's AR fallback, `host_fallback`) every step verifies the whole proposal; with
+  'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
+  (`drafter.tree_proposer`) in one target pass."""
   if verify_length not in VERIFY_LENGTHS:
     raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
   gamma = drafter.num_draft
+  if verify_length == 'tree':
+    if placement is not None or trace or gamma == 0 or isinstance(
+        drafter, drafter_lib.HostProposing):
+      raise ValueError('verify_length=tree runs a device drafter on one device without '
+                       '--config.mesh or a trace (use fixed or auto for those)')
+    chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
+    return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
+                      max_depth=min(tree.num_nodes - 1, gamma))
   if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
     engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
                                trace=trace)
@@ -222,7 +234,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
            settings: Settings = Settings(), batch_size: int = 0, compare_ar: bool = False,
            verify_length: str = 'auto', trace: bool = False, debug: bool = False,
            placement: Optional[sharding.Placement] = None,
-           controller: ControllerConfig = ControllerConfig(),
+           controller: ControllerConfig = ControllerConfig(), tree: TreeConfig = TreeConfig(),
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
@@ -249,7 +261,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   if placement:
     drafter_params = placement.put_params(drafter_params)
   engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=verify_length,
-                              trace=trace, controller=controller, placement=placement)
+                              trace=trace, controller=controller, placement=placement,
+                              tree=tree)
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
@@ -273,7 +286,12 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
-      verify_length='auto' if engine.adaptive or fallback else 'fixed')
+      verify_length=verify_length if verify_length == 'tree' else
+      'auto' if engine.adaptive or fallback else 'fixed')
+  if verify_length == 'tree':   # target positions scored per verify step (anchor included)
+    metrics['nodes_verified_per_step'] = float(
+        (np.sum(state.stats.proposed_B) + np.sum(state.stats.steps_B)) /
+        max(int(np.sum(state.stats.steps_B)), 1))
   tiers = engine.row0_tiers
   if engine.adaptive:
     metrics['tier_steps'] = engine.tier_steps()
@@ -334,7 +352,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
                batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
                verify_length=cfg.verify_length, trace=trace, debug=cfg.debug,
                placement=placement, progress=progress,
-               controller=ControllerConfig.from_config(cfg.get('controller', {})))
+               controller=ControllerConfig.from_config(cfg.get('controller', {})),
+               tree=TreeConfig.from_config(cfg.get('tree', {})))
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

@@ -75,23 +75,26 @@ class Transformer(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT, *, cache: Optional[KVCache] = None, positions_BT=None,
-               taps: Sequence[int] = (), compute_logits: bool = True) -> TargetOutput:
+               taps: Sequence[int] = (), compute_logits: bool = True, slots_BT=None,
+               mask_BTS=None) -> TargetOutput:
     """Runs the decoder.
 
     With `cache`, tokens sit at positions `cache.lengths_B + t`: their K/V are written there
     and each query attends to every cached position <= its own. `cache.lengths_B` is left
     unchanged; the caller commits (advances) lengths. Without a cache it is a full causal
-    forward over `positions_BT` (default 0..T-1).
+    forward over `positions_BT` (default 0..T-1). A token tree (`decoding/tree.py`) passes
+    the cache slots its K/V go to (`slots_BT`, default the positions) and the attention
+    mask over the cache (`mask_BTS`, default causal by position).
     """
     b, t = tokens_BT.shape
     if positions_BT is None:
       start = cache.lengths_B[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
       positions_BT = start + jnp.arange(t, dtype=jnp.int32)[None, :]
+    slots_BT = positions_BT if slots_BT is None else slots_BT
     sin, cos = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
-    if cache is not None:
-      mask_BTS = jnp.arange(cache.max_len)[None, None, :] <= positions_BT[:, :, None]
-    else:
-      mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
+    if mask_BTS is None:
+      keys = positions_BT if cache is None else jnp.arange(cache.max_len)[None]
+      mask_BTS = keys[:, None, :] <= positions_BT[:, :, None]
 
     x = self.embed(tokens_BT)
     tapped = {-1: x}
@@ -101,7 +104,7 @@ class Transformer(nnx.Module):
       else:
         def kv_fn(k, v, i=i):
           nonlocal cache
-          cache = cache.write(i, k, v, positions_BT)
+          cache = cache.write(i, k, v, slots_BT)
           return cache.k_LBSKD[i], cache.v_LBSKD[i], mask_BTS
       x = layer(x, sin, cos, kv_fn)
       if i in taps:

@@ -40,6 +40,7 @@ from flax import nnx, struct
 
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
                                     checkpoint_path, record_window, sync_in_windows)
+from dspec.decoding import tree_proposers
 from dspec.decoding.state import Proposal
 from dspec.models import dflash as dflash_model
 from dspec.models import dflash2
@@ -103,6 +104,10 @@ class DFlashDrafter(DrafterBase):
   @property
   def block_size(self) -> int:
     return self.num_draft + 1
+
+  def tree_proposer(self, top_k: int):
+    """Trees from every slot's top-k of one block pass."""
+    return tree_proposers.BlockTopKTrees(top_k)
 
   @property
   def taps(self) -> Tuple[int, ...]:

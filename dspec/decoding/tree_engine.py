@@ -1,0 +1,199 @@
+"""Tree verification in the decoding loop: one target pass over a `DraftTree` per step.
+
+`TreeEngine` wraps a `SpeculativeEngine` (same prefill, decode state and drafter state)
+and a tree proposer (`tree_proposers.py`) that turns the engine's drafter into a tree of
+at most `num_nodes` nodes. A step:
+
+  1. the proposer drafts a tree; node 0 is set to the anchor; a token outside the
+     vocabulary cuts its subtree, and nodes whose cache slot lies past the buffer are
+     dropped (near the end of the budget);
+  2. one target forward over every node: positions start + depth, K/V written to slots
+     start + node, each node attending to the prefix, its ancestors and itself;
+  3. `verify_tree` (greedy longest match, or lossless multi-candidate sampling);
+  4. the accepted path's K/V moved to slots start + 0..n (`compact_path`);
+  5. commit as the chain engine does (cut at the first stop token and at the budget);
+  6. the drafter's `update` sees the target output gathered along the accepted path, i.e.
+     exactly what a chain verify of that path would have given it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine, device_scalar
+from dspec.decoding.state import DecodeState
+from dspec.decoding.tree import DraftTree, compact_path
+from dspec.decoding.tree_verification import verify_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+  """Tree verification's knobs (`--config.tree.*`): nodes per tree (anchor included) and
+  candidates per slot of a block drafter's tree."""
+
+  num_nodes: int = 32
+  top_k: int = 4
+
+  def __post_init__(self):
+    if not 2 <= self.num_nodes <= 1024:
+      raise ValueError(f'tree.num_nodes must be in [2, 1024], got {self.num_nodes}')
+    if self.top_k < 1:
+      raise ValueError(f'tree.top_k must be >= 1, got {self.top_k}')
+
+  @classmethod
+  def from_config(cls, section) -> 'TreeConfig':
+    return cls(**{k: int(v) for k, v in dict(section).items()})
+
+
+def fit_tree(tree: DraftTree, anchor_B, vocab_size: int, room_B) -> DraftTree:
+  """The tree with the anchor at node 0, out-of-vocabulary nodes orphaned (never accepted,
+  their subtrees unreachable) and at most `room_B` nodes (cache slots left)."""
+  n = jnp.arange(tree.num_nodes)[None, :]
+  in_vocab = (tree.tokens_BN >= 0) & (tree.tokens_BN < vocab_size)
+  return tree.replace(
+      tokens_BN=jnp.where(in_vocab, tree.tokens_BN, 0).at[:, 0].set(anchor_B),
+      parents_BN=jnp.where(in_vocab & (n > 0), tree.parents_BN, -1),
+      num_nodes_B=jnp.clip(jnp.minimum(tree.num_nodes_B, room_B), 1, tree.num_nodes))
+
+
+def tree_forward(target, tree: DraftTree, cache, taps):
+  """The target over every node of `tree` on top of `cache` (lengths = the start)."""
+  start_B = cache.lengths_B
+  return target(tree.tokens_BN, cache=cache, positions_BT=tree.positions_BN(start_B),
+                slots_BT=tree.slots_BN(start_B),
+                mask_BTS=tree.attention_mask_BNS(start_B, cache.max_len), taps=taps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeEngine:
+  """Tree-verifying decoding program (hashable; keys its compiled programs).
+
+  engine: the chain engine (target, drafter, sampling, stop ids). proposer: its
+  `propose_tree(drafter, params, state, target, ctx, key, num_nodes) -> DraftTree`.
+  max_depth: the deepest node verified (a step commits at most max_depth + 1 tokens).
+  """
+
+  engine: SpeculativeEngine
+  proposer: Any
+  num_nodes: int
+  max_depth: int
+
+  def __post_init__(self):
+    if self.num_nodes < 1 or not 0 <= self.max_depth < self.num_nodes:
+      raise ValueError(f'TreeEngine needs num_nodes >= 1 and 0 <= max_depth < num_nodes, '
+                       f'got num_nodes={self.num_nodes}, max_depth={self.max_depth}')
+
+  # The engine protocol's face (as a fixed-verification `SpeculativeEngine`).
+  adaptive = False
+  row0_tiers = None
+
+  def tier_steps(self) -> dict:
+    return {}
+
+  @property
+  def sampling(self):
+    return self.engine.sampling
+
+  @property
+  def drafter(self):
+    return self.engine.drafter
+
+  @property
+  def num_draft(self) -> int:
+    return self.engine.num_draft
+
+  def step_fn(self, target_params, drafter_params, state: DecodeState) -> DecodeState:
+    eng = self.engine
+    target = nnx.merge(eng.target_graphdef, target_params)
+    b = state.tokens_BL.shape[0]
+    rows = jnp.arange(b)
+    key_draft, key_verify = jax.random.split(jax.random.fold_in(state.key, state.step))
+    ctx = eng.context(state)
+    dstate = eng.drafter.sync(drafter_params, state.drafter_state, target, ctx)
+    tree = self.proposer.propose_tree(eng.drafter, drafter_params, dstate, target, ctx,
+                                      key_draft, self.num_nodes)
+    start_B = state.cache.lengths_B
+    tree = fit_tree(tree, state.tokens_BL[rows, state.num_tokens_B - 1],
+                    target.cfg.vocab_size, state.cache.max_len - start_B)
+    out = tree_forward(target, tree, state.cache, eng.drafter.taps)
+    n_B, path_BD1, emitted_BD1 = verify_tree(key_verify, tree, out.logits_BTV, eng.sampling,
+                                             state.temperature, state.top_p, self.max_depth)
+    along = lambda x: x[rows[:, None], path_BD1]
+    path_out = out._replace(logits_BTV=None, hidden_BTD=along(out.hidden_BTD),
+                            taps_BTND=along(out.taps_BTND),
+                            cache=compact_path(out.cache, start_B, path_BD1))
+
+    # Commit, as `SpeculativeEngine.step_fn`: cut at the first stop token and the budget.
+    remaining_B = state.max_new_tokens - state.generated_B()
+    live_B = ~state.done_B
+    j = jnp.arange(self.max_depth + 1)[None, :]
+    is_stop = jnp.zeros_like(emitted_BD1, bool)
+    for sid in eng.stop_ids:
+      is_stop |= emitted_BD1 == sid
+    is_stop &= j <= n_B[:, None]
+    first_stop_B = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1),
+                             self.max_depth + 1)
+    count_B = jnp.minimum(jnp.minimum(n_B + 1, first_stop_B + 1), remaining_B)
+    count_B = jnp.where(live_B, count_B, 0)
+    pos_BD1 = jnp.where(j < count_B[:, None], state.num_tokens_B[:, None] + j,
+                        state.tokens_BL.shape[1])
+    tokens_BL = state.tokens_BL.at[rows[:, None], pos_BD1].set(emitted_BD1, mode='drop')
+    num_tokens_B = state.num_tokens_B + count_B
+    done_B = state.done_B | (first_stop_B < count_B) | (
+        num_tokens_B - state.prompt_len_B >= state.max_new_tokens)
+    cache = path_out.cache.with_lengths(jnp.where(live_B, start_B + n_B + 1, start_B))
+    live = live_B.astype(jnp.int32)
+    s = state.stats
+    accepted_B = jnp.minimum(n_B, count_B)   # a stop token cuts accepted drafts too
+    # Per depth k (column k - 1): reached when the accepted path got to depth k - 1 and
+    # its node there had a child to verify; passed when depth k was accepted too.
+    g = s.reached_BG.shape[1]
+    has_child_BN = jnp.zeros(tree.tokens_BN.shape, bool).at[
+        rows[:, None], jnp.where(tree.valid_BN(), tree.parents_BN, tree.num_nodes)].set(
+            True, mode='drop')
+    k_BG = jnp.arange(1, g + 1)[None, :]
+    path_BG = path_BD1[:, :g] if path_BD1.shape[1] >= g else jnp.pad(
+        path_BD1, ((0, 0), (0, g - path_BD1.shape[1])))
+    reached_BG = live_B[:, None] & (k_BG <= n_B[:, None] + 1) & (
+        k_BG <= path_BD1.shape[1]) & has_child_BN[rows[:, None], path_BG]
+    passed_BG = reached_BG & (k_BG <= n_B[:, None])
+    stats = s.replace(
+        steps_B=s.steps_B + live, committed_B=s.committed_B + count_B,
+        proposed_B=s.proposed_B + live * (tree.num_nodes_B - 1),
+        accepted_B=s.accepted_B + live * accepted_B,
+        accept_hist_BG1=s.accept_hist_BG1 + live[:, None] * (
+            jnp.arange(g + 1)[None, :] == jnp.minimum(accepted_B, g)[:, None]),
+        reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG,
+        row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'))
+    new_state = state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B, done_B=done_B,
+                              cache=cache, step=state.step + 1, stats=stats)
+    dstate = eng.drafter.update(drafter_params, dstate, target, eng.context(new_state),
+                                path_out._replace(cache=cache), start_B, n_B)
+    return new_state.replace(drafter_state=dstate)
+
+  def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps):
+    stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)
+    return jax.lax.while_loop(
+        lambda st: (st.step < stop) & ~jnp.all(st.done_B),
+        lambda st: self.step_fn(target_params, drafter_params, st), state)
+
+  def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
+    return self.engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B, **kw)
+
+  def run(self, target_params, drafter_params, state, max_steps=None) -> DecodeState:
+    limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
+    return _programs(self)['run'](target_params, drafter_params, state, limit)
+
+  def generate(self, target_params, drafter_params, state) -> DecodeState:
+    return self.run(target_params, drafter_params, state)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(engine: TreeEngine) -> dict:
+  return {'run': jax.jit(engine.run_fn, donate_argnums=2)}

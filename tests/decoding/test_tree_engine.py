@@ -1,0 +1,116 @@
+"""Tree verification in the decoding loop: greedy tree output == AR output token for token
+(ragged batch, trees cut at the budget, stop tokens inside a tree), a chain tree steps
+like the chain engine, and DFlash top-k trees keep the target's distribution at T > 0."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import generate
+from lossless_checks import check_engine_samples_match_target
+from dspec.decoding.drafters.dflash import DFlashDrafter
+from dspec.decoding.drafters.ngram import NgramDrafter
+from dspec.decoding.drafters.self_draft import SelfDrafter
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.tree import DraftTree
+from dspec.decoding.tree_engine import TreeEngine
+from dspec.decoding.tree_proposers import BlockTopKTrees, ChainTrees
+from dspec.models.dflash import DFlashConfig, DFlashModel
+from dspec.sampling import SamplingSpec
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2, 7, 20]]
+NEW_TOKENS = 19
+
+
+@dataclasses.dataclass(frozen=True)
+class CombTrees:
+  """Test proposer: the self-drafter's (correct, at T = 0) chain, each draft preceded by a
+  wrong sibling, so the accepted path runs through non-first children (nodes 2, 4, ...)."""
+
+  def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    chain = drafter.propose(params, state, target, ctx, key).tokens_BG
+    b, g = chain.shape
+    wrong = (chain + 1) % target.cfg.vocab_size
+    tokens = jnp.stack([wrong, chain], axis=2).reshape(b, 2 * g)
+    parents = jnp.asarray([-1] + [2 * (i // 2) for i in range(2 * g)], jnp.int32)
+    anchor = ctx.tokens_BL[jnp.arange(b), ctx.num_tokens_B - 1]
+    return DraftTree(jnp.concatenate([anchor[:, None], tokens], axis=1),
+                     jnp.broadcast_to(parents, (b, 2 * g + 1)),
+                     jnp.full((b,), 2 * g + 1, jnp.int32))
+
+
+@pytest.fixture(scope='module')
+def ar_outputs(tiny_split):
+  return generate(SpeculativeEngine(tiny_split[0]), tiny_split[1], None, PROMPTS,
+                  NEW_TOKENS)[0]
+
+
+def _tiny_dflash(target_cfg, block_size=5, seed=5):
+  cfg = DFlashConfig.create(target_cfg.num_layers, num_layers=1, block_size=block_size,
+                            mask_token_id=11)
+  return DFlashDrafter.create(DFlashModel(cfg, target_cfg, rngs=nnx.Rngs(seed)))
+
+
+def test_comb_trees_accept_through_later_siblings(tiny_split, ar_outputs):
+  engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=SelfDrafter(num_draft=4)),
+                      CombTrees(), num_nodes=9, max_depth=4)
+  outs, state = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  assert outs == ar_outputs
+  stats = state.stats
+  # Each full step accepts its 4 correct drafts (nodes 2, 4, 6, 8) and commits 5 tokens.
+  # Near the end of the buffer (prompt + budget) a tree keeps only the nodes with a cache
+  # slot left: 5 nodes (2 correct) for row 0's last step; row 2 (longest prompt) gets 4
+  # nodes, then 2; row 1 (shortest) keeps its whole last tree, cut at the budget (3).
+  np.testing.assert_array_equal(stats.committed_B, [NEW_TOKENS - 1] * 3)
+  np.testing.assert_array_equal(stats.steps_B, [4, 4, 5])
+  np.testing.assert_array_equal(stats.accepted_B, [12 + 2, 12 + 3, 12 + 1 + 0])
+
+
+@pytest.mark.parametrize('num_nodes', [1, 6, 16])
+def test_dflash_topk_trees_equal_ar(tiny_split, tiny_model, ar_outputs, num_nodes):
+  drafter, dparams = _tiny_dflash(tiny_model.cfg)
+  engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=drafter),
+                      BlockTopKTrees(top_k=3), num_nodes=num_nodes,
+                      max_depth=min(num_nodes - 1, drafter.num_draft))
+  outs, _ = generate(engine, tiny_split[1], dparams, PROMPTS, NEW_TOKENS)
+  assert outs == ar_outputs
+
+
+def test_chain_trees_step_like_the_chain_engine(tiny_split, ar_outputs):
+  chain = SpeculativeEngine(tiny_split[0], drafter=NgramDrafter(num_draft=5, min_n=1,
+                                                                max_n=3), stop_ids=(44,))
+  tree = TreeEngine(chain, ChainTrees(), num_nodes=6, max_depth=5)
+  want, want_state = generate(chain, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  got, got_state = generate(tree, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  assert got == want
+  for field in ('steps_B', 'committed_B', 'accepted_B'):
+    np.testing.assert_array_equal(getattr(got_state.stats, field),
+                                  getattr(want_state.stats, field))
+  assert int(want_state.stats.accepted_B.sum()) > 0
+
+
+def test_stop_token_inside_a_tree(tiny_split, ar_outputs):
+  stop = ar_outputs[0][6]
+  engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=SelfDrafter(num_draft=4),
+                                        stop_ids=(stop,)),
+                      CombTrees(), num_nodes=9, max_depth=4)
+  outs, _ = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  for out, ref in zip(outs, ar_outputs):
+    cut = ref.index(stop) + 1 if stop in ref else len(ref)
+    assert out == ref[:cut]
+
+
+@pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.8)])
+def test_dflash_topk_trees_keep_the_target_distribution(small_vocab_model, temperature,
+                                                         top_p):
+  drafter, dparams = _tiny_dflash(small_vocab_model.cfg, block_size=3)
+  graphdef, params = nnx.split(small_vocab_model)
+  spec = SamplingSpec.create(temperature, 0, top_p)
+  engine = TreeEngine(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec),
+                      BlockTopKTrees(top_k=3), num_nodes=7, max_depth=2)
+  check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
+                                    [3, 1, 4, 1, 5, 9, 2, 6], temperature=temperature,
+                                    top_p=top_p, num_samples=20_000, num_tokens=2)
