@@ -249,6 +249,31 @@ def broadcast_json(value: Any) -> Any:
   return json.loads(bytes(multihost_utils.broadcast_one_to_all(padded)).decode())
 
 
+def any_process(flags: tuple) -> tuple:
+  """Each of `flags` (bools) or-ed over every process (a collective: all call it alike)."""
+  if not active():
+    return tuple(bool(f) for f in flags)
+  from jax.experimental import multihost_utils
+  every = multihost_utils.process_allgather(np.asarray(flags, np.bool_))
+  return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
+
+
+def on_main(check) -> None:
+  """Runs `check()` on process 0 only; the UserError, ValueError or OSError it raises is
+  raised on every process (as UserError, with process 0's message), so all stop alike."""
+  error = None
+  if is_main():
+    try:
+      check()
+    except (UserError, ValueError, OSError) as e:
+      if not active():
+        raise
+      error = str(e)
+  error = broadcast_json(error)
+  if error is not None:
+    raise UserError(error)
+
+
 def peer_failure(error: BaseException) -> Optional[str]:
   """One line for an error that means another process died or hung up, else None."""
   if not active():

@@ -56,7 +56,9 @@ def top_k(x, k: int):
   slice and turns that back into its fast TopK call only while nothing slices the result
   again; a later slice or scatter on the indices (e.g. `idx[..., -1]`) otherwise costs a
   full sort of the last axis (on CPU, 2.6 s against 0.03 s for 1920 × 8192)."""
-  return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+  values, indices = jax.lax.top_k(x, k)   # one barrier each: on one over the pair, XLA's
+  # SPMD partitioner aborts (hlo_casting_utils Check failed), e.g. a meshed DFlash eval.
+  return jax.lax.optimization_barrier(values), jax.lax.optimization_barrier(indices)
 
 
 def processed_probs(logits_NV, spec: SamplingSpec, temperature, top_p):

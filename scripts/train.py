@@ -39,7 +39,7 @@ def _trained_here(workdir: str) -> bool:
 def main(argv):
   del argv
   status = console.configure()
-  from dspec import sharding
+  from dspec import distributed, sharding
   sharding.maybe_initialize_distributed(_CONFIG.value.get('distributed', False))
   from dspec.training import tasks  # heavy imports after flag parsing
   cfg = _CONFIG.value
@@ -50,7 +50,8 @@ def main(argv):
   files.check_distinct({'--workdir': workdir}, {
       '--config.model.path': cfg.model.get('path'),
       '--config.training.init_from': cfg.training.get('init_from')})
-  files.check_output_dir(workdir, '--workdir', force=_FORCE.value, ours=_trained_here)
+  distributed.on_main(lambda: files.check_output_dir(workdir, '--workdir', force=_FORCE.value,
+                                                     ours=_trained_here))
   status(f'training {cfg.training.task} in {workdir} (metrics: one JSON line per '
          f'{cfg.training.log_every} steps, and {workdir}/train_log.jsonl)')
   result = tasks.run_training(cfg, workdir)

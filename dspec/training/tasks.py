@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dspec import checkpoint, config_checks, files
+from dspec import checkpoint, config_checks
 from dspec.errors import UserError
 from dspec.training import trainer
 
@@ -41,7 +41,7 @@ def run_training(cfg, workdir: str) -> dict:
     raise ValueError(f'unknown training.task {cfg.training.task!r}; '
                      f'known: {sorted(builders)}')
   config_checks.check_training_config(cfg.training)
-  with files.directory_lock(workdir, 'trainer'):
+  with trainer.workdir_lock(workdir):
     task = builders[cfg.training.task](cfg, workdir)
     warm_start_drafter(task, cfg.training)
     return trainer.train(task, cfg.training, workdir)

@@ -3,10 +3,17 @@
 A `TrainTask` says what is trained (an NNX module), what stays frozen (passed through
 untouched, e.g. the target under a drafter), the loss, and a deterministic batch for every
 step, so a resumed run sees exactly the batches it would have seen.
+
+Across processes (`dspec.distributed`) training is data-parallel over one global mesh
+(`training.mesh`, else `data=<every device>`): each process feeds its devices' rows of the
+step's global batch, every process saves and restores the checkpoints collectively (orbax),
+and only process 0 logs, writes `train_log.jsonl` and holds the workdir lock; a stop
+(SIGTERM, `max_minutes`) is agreed, so every process stops at the same step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,7 +30,7 @@ from tqdm import tqdm
 from absl import logging
 from flax import nnx
 
-from dspec import checkpoint, config_checks, files, sharding
+from dspec import checkpoint, config_checks, distributed, files, sharding
 from dspec.errors import UserError
 from dspec.training import optimizer as optimizer_lib
 
@@ -87,7 +94,7 @@ def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, abstract):
     except checkpoint.CheckpointError as e:
       damaged.append((step, e))
       continue
-    for bad_step, err in damaged:
+    for bad_step, err in damaged if distributed.is_main() else ():
       moved = ckpt.quarantine(bad_step)
       print(f'warning: {err}; moved it to {moved} and resuming from the older intact '
             f'checkpoint at step {step}', file=sys.stderr, flush=True)
@@ -147,15 +154,36 @@ def train(task: TrainTask, cfg, workdir: str) -> dict:
   the run with TrainingDiverged naming the step; that state is neither logged nor saved.
   """
   config_checks.check_training_config(cfg)
-  with files.directory_lock(workdir, 'trainer'), _StopRequest() as stop:
+  with workdir_lock(workdir), _StopRequest() as stop:
     return _train(task, cfg, workdir, stop)
+
+
+def workdir_lock(workdir: str):
+  """The trainer's lock on `workdir`, held by process 0 of a multi-process run."""
+  if distributed.is_main():
+    return files.directory_lock(workdir, 'trainer')
+  return contextlib.nullcontext()
+
+
+def _placement(cfg, model):
+  """`training.mesh`'s Placement; across processes without one, data parallel over every
+  process's devices. The batch must split over the mesh's batch axes."""
+  model_cfg = sharding.find_model_config(model)
+  placement = sharding.placement_from_config(cfg, model_cfg)
+  if placement is None and distributed.active():
+    placement = sharding.Placement.create('data=-1', model_cfg=model_cfg)
+  if placement is not None and cfg.batch_size % placement.batch_size_multiple:
+    raise UserError(f'training.batch_size={cfg.batch_size} does not split over the '
+                    f'{placement.batch_size_multiple} batch shards of the mesh '
+                    f'{dict(placement.mesh.shape)}: use a multiple of it')
+  return placement
 
 
 def _train(task: TrainTask, cfg, workdir: str, stop: _StopRequest) -> dict:
   optimizer = optimizer_lib.make_optimizer(cfg)
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
   print(f'trainable parameters: {sum(x.size for x in jax.tree.leaves(params)):,}', flush=True)
-  placement = sharding.placement_from_config(cfg, sharding.find_model_config(task.model))
+  placement = _placement(cfg, task.model)
   frozen = task.frozen
   if placement:
     params, rest = placement.put_params(params), placement.put_params(rest)
@@ -197,7 +225,9 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
           '(final/ is left as it is)', flush=True)
     return {'last': {}, 'eval': {}, 'steps': 0}
   log_path = os.path.join(workdir, 'train_log.jsonl')
-  _trim_log(log_path, start_step)
+  main = distributed.is_main()
+  if main:
+    _trim_log(log_path, start_step)
 
   def loss_of_params(p, frozen, batch, key):
     return task.loss_fn(nnx.merge(graphdef, p, rest), frozen, batch, key)
@@ -235,17 +265,25 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
   bar = tqdm(total=cfg.num_steps, initial=start_step, desc='train', unit='step',
              dynamic_ncols=True, file=sys.stderr)
   for step in range(start_step, cfg.num_steps):
-    batch = jax.tree.map(jnp.asarray, task.get_batch(step))
-    if placement:
-      batch = placement.put_batch(batch)
+    batch = task.get_batch(step)
+    if distributed.active():   # each process feeds its devices' rows
+      batch = distributed.global_batch(batch, placement)
+    elif placement:
+      batch = placement.put_batch(jax.tree.map(jnp.asarray, batch))
+    else:
+      batch = jax.tree.map(jnp.asarray, batch)
     done = step + 1
     params, opt_state, metrics, first_bad = train_step(
         params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
     bar.update()
-    out_of_time = cfg.max_minutes and (time.time() - t_start) > 60 * cfg.max_minutes
-    stopping = out_of_time or stop.signal_name is not None
+    out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) > 60 * cfg.max_minutes
+    signalled = stop.signal_name   # read once: a signal may land during this step's I/O
+    if distributed.active():   # every process stops at the same step
+      out_of_time, anywhere = distributed.any_process((out_of_time, signalled is not None))
+      signalled = signalled or ('SIGTERM on another process' if anywhere else None)
+    stopping = out_of_time or signalled is not None
     export_now = task.export is not None and (
-        stop.signal_name is not None or (cfg.get('export_every') and done % cfg.export_every == 0))
+        signalled is not None or (cfg.get('export_every') and done % cfg.export_every == 0))
     log_now = done % cfg.log_every == 0 or done == cfg.num_steps or stopping
     ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or stopping
     if log_now or ckpt_now or export_now:
@@ -260,15 +298,16 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
       logging.info('step %d %s', done, json.dumps(last))
       bar.set_postfix(loss=f"{last['loss']:.3f}")
       tqdm.write(json.dumps(last), file=sys.stdout)
-      with open(log_path, 'a') as f:
-        f.write(json.dumps(last) + '\n')
+      if main:
+        with open(log_path, 'a') as f:
+          f.write(json.dumps(last) + '\n')
     if ckpt_now:
       ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
       ckpt.wait()   # the next step donates these buffers: the save must have read them
     if export_now:
       task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
-    if stop.signal_name is not None:
-      print(f'stopping at step {done}: {stop.signal_name} received', flush=True)
+    if signalled is not None:
+      print(f'stopping at step {done}: {signalled} received', flush=True)
       break
     if out_of_time:
       logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)

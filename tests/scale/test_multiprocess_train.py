@@ -1,0 +1,135 @@
+"""Data-parallel drafter training across processes (jax.distributed on 127.0.0.1, gloo):
+2 processes x 1 CPU device train a tiny DFlash drafter with the losses of 1 process x 2
+devices on the same global batches; one process killed (-9) mid-run ends the other in one
+line, and both restarted resume from the shared checkpoint with the same losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(REPO, 'tests', 'scale', 'train_with_step_delay.py')
+LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
+STEPS, CKPT_EVERY = 12, 4
+
+
+def _env(devices):
+  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, 'train_log.jsonl')) as f:
+    return {e['step']: e['loss'] for e in map(json.loads, f)}
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  """16 rows of 32 random tokens (the first 4 unsupervised), as distill.py writes them."""
+  root = tmp_path_factory.mktemp('mptrain')
+  tokens = np.random.default_rng(0).integers(2, 256, (16, 32)).astype(np.int32)
+  np.savez(root / 'shard_00000.npz', tokens=tokens,
+           loss_mask=np.broadcast_to(np.arange(32) >= 4, tokens.shape),
+           lengths=np.full(16, 32, np.int32))
+  (root / 'manifest.json').write_text(json.dumps({'shards': ['shard_00000.npz'],
+                                                  'complete': True}))
+  return root
+
+
+def _args(data, workdir):
+  return ['--config=configs/dflash_demo.py:tiny', f'--config.data.path={data}',
+          '--config.data.heldout_fraction=0.0', f'--config.training.num_steps={STEPS}',
+          '--config.training.batch_size=4', '--config.training.seq_len=32',
+          '--config.training.log_every=1', f'--config.training.ckpt_every={CKPT_EVERY}',
+          '--config.training.eval_every=100', f'--workdir={workdir}',
+          '--compilation_cache_dir=']
+
+
+@pytest.fixture(scope='module')
+def single_and_multi(data, tmp_path_factory):
+  """1 process x 2 devices (mesh data=2) beside 2 processes x 1 device (the default mesh:
+  data over every process's device)."""
+  tmp = tmp_path_factory.mktemp('runs')
+  single = subprocess.Popen(
+      [sys.executable, TRAIN, *_args(data, tmp / 'one'), '--config.training.mesh=data=2'],
+      cwd=REPO, env=_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      stdin=subprocess.DEVNULL)
+  multi = subprocess.run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '1',
+                          '--timeout', '240', '--', TRAIN, *_args(data, tmp / 'two')],
+                         cwd=REPO, capture_output=True, text=True, timeout=260,
+                         stdin=subprocess.DEVNULL)
+  _, err = single.communicate(timeout=260)
+  assert single.returncode == 0, err[-3000:]
+  assert multi.returncode == 0, multi.stderr[-3000:]
+  return tmp / 'one', tmp / 'two', multi
+
+
+def test_two_processes_train_as_one(single_and_multi):
+  one, two, _ = single_and_multi
+  losses_one, losses_two = _losses(one), _losses(two)
+  assert sorted(losses_two) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([losses_two[s] for s in losses_one],
+                             list(losses_one.values()), rtol=1e-5)
+  assert len(set(losses_one.values())) > 1   # it trained: the loss moved
+  assert os.path.isdir(two / 'final') and sorted(map(int, os.listdir(two / 'checkpoints'))) == \
+      [STEPS - CKPT_EVERY, STEPS]
+
+
+def test_only_process_0_logs(single_and_multi):
+  _, _, multi = single_and_multi
+  steps = [l for l in multi.stdout.splitlines() if '"loss"' in l]
+  assert len(steps) == STEPS and all(l.startswith('[p0] ') for l in steps)
+
+
+def test_a_killed_process_resumes_from_the_shared_checkpoint(data, single_and_multi,
+                                                             tmp_path):
+  """Process 1 is killed -9 after step CKPT_EVERY + 2; process 0 stops with one error
+  line; both restarted continue from the last checkpoint with the uninterrupted losses."""
+  sys.path.insert(0, os.path.join(REPO, 'scripts'))
+  from launch_local import free_port   # pylint: disable=import-outside-toplevel
+  _, reference, _ = single_and_multi
+  workdir, port = tmp_path / 'run', free_port()
+  argv = lambda i, delay: [sys.executable, TRAIN, f'--step_delay={delay}',
+                           *_args(data, workdir), f'--coordinator=127.0.0.1:{port}',
+                           '--num_processes=2', f'--process_id={i}']
+  errs = [open(tmp_path / f'p{i}.err', 'w+') for i in range(2)]   # pipes could fill up
+  procs = [subprocess.Popen(argv(i, 0.5), cwd=REPO, env=_env(1), stdout=subprocess.DEVNULL,
+                            stderr=errs[i], stdin=subprocess.DEVNULL,
+                            start_new_session=True) for i in range(2)]
+  try:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and procs[0].poll() is None:
+      if os.path.exists(workdir / 'train_log.jsonl') and \
+          max(_losses(workdir), default=0) >= CKPT_EVERY + 2:
+        break
+      time.sleep(0.05)
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[0].wait(timeout=120)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+    for f in errs:
+      f.close()
+  err = (tmp_path / 'p0.err').read_text()
+  assert procs[0].returncode != 0
+  errors = [l for l in err.splitlines() if 'error:' in l]
+  assert len(errors) == 1 and 'another process' in errors[0], err[-3000:]
+  done_before = max(_losses(workdir))
+  assert CKPT_EVERY + 2 <= done_before < STEPS
+  resumed = subprocess.run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '1',
+                            '--timeout', '240', '--', TRAIN, *_args(data, workdir)],
+                           cwd=REPO, capture_output=True, text=True, timeout=260,
+                           stdin=subprocess.DEVNULL)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'resumed from step' in resumed.stderr or 'resum' in resumed.stdout
+  losses, want = _losses(workdir), _losses(reference)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([losses[s] for s in want], list(want.values()), rtol=1e-5)
