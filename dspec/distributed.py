@@ -258,6 +258,20 @@ def any_process(flags: tuple) -> tuple:
   return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
 
 
+def process_share():
+  """`share(i)`: whether item i of a list split round-robin over the processes is this
+  process's (every item, in a single-process run)."""
+  count, index = jax.process_count(), jax.process_index()
+  return lambda i: i % count == index
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (a no-op in one process)."""
+  if active():
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 def on_main(check) -> None:
   """Runs `check()` on process 0 only; the UserError, ValueError or OSError it raises is
   raised on every process (as UserError, with process 0's message), so all stop alike."""

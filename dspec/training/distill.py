@@ -14,10 +14,16 @@ at a time may write a directory (a lock refuses a second; one left by a killed r
 stale and taken over). A manifest that lists no shard yet (a run killed before its first
 shard) is started afresh whatever its settings. A directory holding anything but a
 distilled set is refused unless `force` (nothing in it is deleted).
+
+Across processes (`dspec.distributed`) process i writes the shards s with s % N == i into
+the shared directory, each on its own devices; process 0 holds the lock and the manifest
+and lists every process's shards once all are written (a killed run redoes the shards it
+had not listed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +35,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from dspec import checkpoint, config_checks, datasets
+from dspec import checkpoint, config_checks, datasets, distributed
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.files import (check_distinct, check_output_dir, directory_lock, write_atomic,
                          write_json_atomic)
@@ -155,8 +161,9 @@ def distill(cfg, out_dir: str, force: bool = False) -> dict:
   check_distinct({'--out_dir': out_dir}, {'--config.model.path': cfg.model.path,
                                           '--config.model.tokenizer_dir':
                                               cfg.model.get('tokenizer_dir')})
-  check_output_dir(out_dir, '--out_dir', force=force,
-                   ours=lambda d: os.path.exists(os.path.join(d, _MANIFEST)))
+  distributed.on_main(lambda: check_output_dir(
+      out_dir, '--out_dir', force=force,
+      ours=lambda d: os.path.exists(os.path.join(d, _MANIFEST))))
   target, tokenizer, _ = build_target(cfg.model)
   prompts = _encode_prompts(cfg, tokenizer)
   if not prompts:
@@ -167,15 +174,21 @@ def distill(cfg, out_dir: str, force: bool = False) -> dict:
   models = {'target_sha256': checkpoint.params_sha256(
                 nnx.to_pure_dict(nnx.state(target, nnx.Param))),
             'tokenizer_sha256': tokenizer_fingerprint(tokenizer)}
-  with directory_lock(out_dir, 'distillation'):
-    manifest = _open_manifest(out_dir, fingerprint, models, len(prompts), cfg.temperature)
+  main = distributed.is_main()
+  with directory_lock(out_dir, 'distillation') if main else contextlib.nullcontext():
+    manifest = None
+    if main:
+      manifest = _open_manifest(out_dir, fingerprint, models, len(prompts), cfg.temperature)
+    manifest = distributed.broadcast_json(manifest)
     return _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec)
 
 
 def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) -> dict:
-  """Writes every shard the manifest does not list yet, then marks the set complete."""
+  """Writes every shard the manifest does not list yet (this process's share of them),
+  then marks the set complete."""
   dcfg = cfg.distill
   manifest_path = os.path.join(out_dir, _MANIFEST)
+  main, share = distributed.is_main(), distributed.process_share()
 
   graphdef, params = nnx.split(target)
   engine = SpeculativeEngine(graphdef, sampling=spec, stop_ids=tuple(tokenizer.stop_ids))
@@ -184,7 +197,7 @@ def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) ->
   for s in range(num_shards):
     name = f'shard_{s:05d}.npz'
     shard_prompts = prompts[s * dcfg.shard_size:(s + 1) * dcfg.shard_size]
-    if name in manifest['shards']:
+    if name in manifest['shards'] or not share(s):
       bar.update(len(shard_prompts))
       continue
     order = np.argsort([len(p) for p in shard_prompts], kind='stable')
@@ -209,12 +222,17 @@ def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) ->
 
     write_atomic(os.path.join(out_dir, name), write_shard)
     manifest['shards'].append(name)
-    write_json_atomic(manifest_path, manifest)
+    if main:
+      write_json_atomic(manifest_path, manifest)
   bar.close()
+  if distributed.active():   # every process's shards are written: list them all
+    distributed.barrier('distilled shards written')
+    manifest['shards'] = [f'shard_{s:05d}.npz' for s in range(num_shards)]
   manifest['complete'] = True
   manifest['num_tokens_written'] = int(sum(
       _load_shard(out_dir, n)['loss_mask'].sum() for n in manifest['shards']))
-  write_json_atomic(manifest_path, manifest)
+  if main:
+    write_json_atomic(manifest_path, manifest)
   return manifest
 
 

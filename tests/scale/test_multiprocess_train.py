@@ -1,7 +1,8 @@
 """Data-parallel drafter training across processes (jax.distributed on 127.0.0.1, gloo):
 2 processes x 1 CPU device train a tiny DFlash drafter with the losses of 1 process x 2
 devices on the same global batches; one process killed (-9) mid-run ends the other in one
-line, and both restarted resume from the shared checkpoint with the same losses."""
+line, and both restarted resume from the shared checkpoint with the same losses. Two
+processes distil the same files as one."""
 
 import json
 import os
@@ -133,3 +134,25 @@ def test_a_killed_process_resumes_from_the_shared_checkpoint(data, single_and_mu
   losses, want = _losses(workdir), _losses(reference)
   assert sorted(losses) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([losses[s] for s in want], list(want.values()), rtol=1e-5)
+
+
+def test_two_processes_distill_as_one(tmp_path):
+  """Each of 2 processes writes its round-robin share of the shards; process 0's manifest
+  then lists them all: files byte-identical to one process's."""
+  argv = [os.path.join(REPO, 'scripts', 'distill.py'), '--config=configs/distill_demo.py:tiny',
+          '--compilation_cache_dir=']
+  single = subprocess.Popen([sys.executable, *argv, f'--out_dir={tmp_path / "one"}'], cwd=REPO,
+                            env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+  multi = subprocess.run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '1',
+                          '--timeout', '240', '--', *argv, f'--out_dir={tmp_path / "two"}'],
+                         cwd=REPO, capture_output=True, text=True, timeout=260,
+                         stdin=subprocess.DEVNULL)
+  _, err = single.communicate(timeout=260)
+  assert single.returncode == 0, err[-3000:]
+  assert multi.returncode == 0, multi.stderr[-3000:]
+  names = sorted(os.listdir(tmp_path / 'one'))
+  assert len([n for n in names if n.startswith('shard_')]) >= 2
+  assert sorted(os.listdir(tmp_path / 'two')) == names
+  for name in names:
+    assert (tmp_path / 'one' / name).read_bytes() == (tmp_path / 'two' / name).read_bytes(), name
