@@ -5,7 +5,9 @@ verify forward over γ+1 tokens on the decode state of the configured prompt (se
 dspec/bench/draft_cost.py). The DFlash goal is a draft pass <= 0.25x a verify pass at
 B=16. `--random_dflash_layers=N --random_dflash_vocab=V` measures an untrained DFlash
 drafter of that shape instead (for sizing one before training it).
-Expected: one line `draft/verify = ...` and, with --out, a JSON of the timings.
+`--tree_nodes=32` also prices a 32-node tree verify against the chain (tree verification).
+Expected: one line `draft/verify = ...` (and with --tree_nodes one `verify: tree ...`) and,
+with --out, a JSON of the timings.
 """
 
 import os
@@ -23,6 +25,9 @@ _FORCE = flags.DEFINE_bool('force', False, 'Replace an --out file that dspec did
 _REPEATS = flags.DEFINE_integer('repeats', 30, 'Timed repeats (median).')
 _RANDOM_LAYERS = flags.DEFINE_integer('random_dflash_layers', 0,
                                       'Measure an untrained DFlash drafter of N layers.')
+_TREE_NODES = flags.DEFINE_integer('tree_nodes', 0, 'Also time a verify pass over a tree of '
+                                   'this many nodes against the chain and a chain of as '
+                                   'many tokens (0: off).')
 _RANDOM_VOCAB = flags.DEFINE_integer('random_dflash_vocab', 0,
                                      'Its draft vocabulary size (0 = the full vocabulary).')
 
@@ -47,7 +52,7 @@ def main(argv):
   from flax import nnx
 
   from dspec import loading
-  from dspec.bench.draft_cost import draft_vs_verify
+  from dspec.bench.draft_cost import draft_vs_verify, tree_vs_chain_verify
   from dspec.decoding import runner
   from dspec.decoding.drafters import registry
   from dspec.decoding.prompts import encode_prompts, pad_prompts
@@ -74,6 +79,15 @@ def main(argv):
         f'update {1e3 * result["update_s"]:.2f} ms, verify {1e3 * result["verify_s"]:.2f} ms; '
         f'draft/verify = {result["draft_over_verify"]:.3f} '
         f'(propose/verify {result["propose_over_verify"]:.3f})')
+  if _TREE_NODES.value:
+    tree = tree_vs_chain_verify(graphdef, tparams, state.cache, _TREE_NODES.value,
+                                drafter.num_draft + 1, drafter.taps, _REPEATS.value)
+    result['tree'] = tree
+    print(f'verify: tree of {tree["tree_nodes"]} nodes {1e3 * tree["tree_verify_s"]:.2f} ms, '
+          f'chain of {tree["chain_tokens"]} {1e3 * tree["chain_verify_s"]:.2f} ms, chain of '
+          f'{tree["tree_nodes"]} {1e3 * tree["same_count_chain_verify_s"]:.2f} ms; tree/chain '
+          f'= {tree["tree_over_chain"]:.2f}, tree/same-count chain = '
+          f'{tree["tree_over_same_count_chain"]:.2f}')
   if _OUT.value:
     files.write_json_atomic(_OUT.value, files.mark(result, 'bench_draft_cost'))
 

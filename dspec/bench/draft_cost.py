@@ -4,7 +4,8 @@ Both are jitted, warmed up and timed as medians of interleaved repeats on the de
 after prefilling a real prompt: `propose` (everything the drafter does to produce its
 γ drafts) against the target's forward over the γ+1 verify tokens with its cache (what one
 speculative step verifies), plus `update` (the drafter's per-step bookkeeping, e.g. the
-DFlash context K/V append or the MTP catch-up).
+DFlash context K/V append or the MTP catch-up). `tree_vs_chain_verify` prices a tree
+verify pass against chains.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.bench.timing import median_times
+from dspec.decoding.tree import DraftTree
+from dspec.decoding.tree_engine import tree_forward
 
 
 def draft_vs_verify(engine, target_params, drafter_params, state, repeats: int = 20) -> dict:
@@ -52,3 +55,34 @@ def draft_vs_verify(engine, target_params, drafter_params, state, repeats: int =
           'propose_s': t_propose, 'verify_s': t_verify, 'update_s': t_update,
           'propose_over_verify': t_propose / t_verify,
           'draft_over_verify': (t_propose + t_update) / t_verify}
+
+
+def tree_vs_chain_verify(target_graphdef, target_params, cache, num_nodes: int,
+                         chain_tokens: int, taps=(), repeats: int = 20) -> dict:
+  """Seconds per target verify pass over a `num_nodes`-node tree (4 children per node,
+  breadth first: the shape of a top-4 tree; ancestors-only mask, positions by depth)
+  against a chain of `chain_tokens` tokens and a chain of `num_nodes` tokens, on `cache`."""
+  b = cache.lengths_B.shape[0]
+  parents = jnp.concatenate([jnp.array([-1]), jnp.arange(num_nodes - 1) // 4]).astype(
+      jnp.int32)
+  tree = DraftTree(jnp.zeros((b, num_nodes), jnp.int32), jnp.tile(parents, (b, 1)),
+                   jnp.full((b,), num_nodes, jnp.int32))
+
+  @jax.jit
+  def verify_tree(tparams, cache, tree):
+    out = tree_forward(nnx.merge(target_graphdef, tparams), tree, cache, taps)
+    return out.logits_BTV
+
+  @jax.jit
+  def verify_chain(tparams, cache, tokens_BT):
+    return nnx.merge(target_graphdef, tparams)(tokens_BT, cache=cache, taps=taps).logits_BTV
+
+  short, same = (jnp.zeros((b, n), jnp.int32) for n in (chain_tokens, num_nodes))
+  t_tree, t_short, t_same = median_times([
+      lambda: verify_tree(target_params, cache, tree),
+      lambda: verify_chain(target_params, cache, short),
+      lambda: verify_chain(target_params, cache, same)], repeats)
+  return {'tree_nodes': num_nodes, 'chain_tokens': chain_tokens, 'batch_size': b,
+          'tree_verify_s': t_tree, 'chain_verify_s': t_short,
+          'same_count_chain_verify_s': t_same, 'tree_over_chain': t_tree / t_short,
+          'tree_over_same_count_chain': t_tree / t_same}

@@ -1,7 +1,7 @@
 """Multi-process runs on JAX's own runtime (jax.distributed on 127.0.0.1, gloo collectives):
 2 processes x 2 simulated CPU devices decode the demo on a data=2,tensor=2 mesh with the
-same tokens as one process (greedy and sampled, fixed and auto verification, every process
-taking the controller's decisions alike), and each failure mode ends in one line, in time.
+same tokens as one process (every drafter; greedy and sampled, fixed and auto verification,
+every process taking the controller's decisions alike), and each failure mode ends in one line, in time.
 
 Every run goes through `scripts/launch_local.py`, which bounds it in time and kills whole
 process groups, so a failing test leaves no process behind.
@@ -17,8 +17,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
-# MTP fixed and auto (controller decisions broadcast), n-gram, and a sampled run.
-RUNS = 'mtp:fixed:0,mtp:auto:0,ngram:fixed:0,mtp:fixed:1'
+# Every drafter (fixed), auto verification (controller decisions broadcast), sampled runs.
+RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,mtp:fixed:1,eagle3:fixed:0,dflash:fixed:0,'
+        'dflash2:auto:0,dspark:fixed:1,suffix:fixed:0')
 COMMON = ['--config=configs/demo.py', '--config.max_new_tokens=12', f'--runs={RUNS}',
           '--compilation_cache_dir=']
 
@@ -29,8 +30,10 @@ def _run(argv, timeout, env=None):
 
 
 def _cpu_env(devices):
+  # Compiling dominates: XLA's backend optimisation off (the same for 1 and 2 processes).
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
+                       '--xla_backend_optimization_level=0')
   return env
 
 
@@ -44,8 +47,9 @@ def single_and_multi(tmp_path_factory):
                             cwd=REPO, env=_cpu_env(4), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
   multi = _run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '2',
-                '--timeout', '400', '--', DECODE, *COMMON, mesh, f'--out={two}'], 420)
-  out, err = single.communicate(timeout=420)
+                '--timeout', '500', '--', DECODE, *COMMON, mesh, f'--out={two}'], 520,
+               _cpu_env(2))
+  out, err = single.communicate(timeout=520)
   assert single.returncode == 0, err[-3000:]
   assert multi.returncode == 0, multi.stderr[-3000:]
   with open(one) as f1, open(two) as f2:
