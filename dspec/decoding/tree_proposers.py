@@ -4,9 +4,14 @@
   acceptance, through the tree path).
 * `BlockTopKTrees`: DFlash / DFlash-2 block drafters. One block pass gives every slot's
   distribution; slot j's top-k tokens are the candidates at depth j (the slots are
-  predicted in parallel, so every depth-(j-1) node has the same candidates).
-  `best_first_tree` keeps the `num_nodes - 1` paths with the highest draft probability
-  product, the expected-acceptance score EAGLE-2 ranks by.
+  predicted in parallel, so every depth-(j-1) node has the same candidates,
+  `best_first_tree`).
+* `BeamTrees`: autoregressive drafters (EAGLE-3, MTP), EAGLE-2's dynamic tree. The drafter's
+  `grow_tree` runs one draft step per depth over the beam's nodes, each node with its own
+  draft state, and hands each node's distribution to a `TreeGrower`.
+A `TreeGrower` expands the top-k nodes of each depth into their top-k children, scoring a
+path by the product of its draft probabilities (the expected-acceptance score EAGLE-2
+ranks by), then keeps the `num_nodes - 1` best of every expanded node.
 Trees drafted this way are deterministic functions of the committed prefix, so they are
 verified with one-hot sibling q ('deterministic'), exact at every temperature.
 """
@@ -27,48 +32,83 @@ from dspec.sampling import top_k as top_k_barrier
 _DEPTH_TIE = 1e-4
 
 
-def best_first_tree(anchor_B, tokens_BGK, logp_BGK, num_nodes: int) -> DraftTree:
-  """Tree of the `num_nodes - 1` best-scoring paths over per-depth candidates.
+class TreeGrower:
+  """EAGLE-2's candidate tree over a beam of at most `top_k` nodes per depth.
 
-  Depth j + 1 offers candidates `tokens_BGK[:, j]` with log-probabilities `logp_BGK[:, j]`
-  under every kept depth-j node; a path's score is the sum of its nodes' log-probabilities.
-  Expansion keeps a beam of K nodes per depth (EAGLE-2's top-k per depth), then all
-  expanded nodes are reranked and the best `num_nodes - 1` kept, ordered by depth.
+  The beam starts as the root alone (width 1). `grow` gives each beam node its K
+  children; a child scores its parent's score plus its log-probability; the beam becomes
+  the best `top_k` children. `tree` reranks every expanded node (the beams' children).
   """
+
+  def __init__(self, batch: int, top_k: int):
+    self.top_k = top_k
+    self.beam_score_BW = jnp.zeros((batch, 1))
+    self.beam_id_BW = jnp.full((batch, 1), -1, jnp.int32)   # candidate index (-1: root)
+    self._scores, self._parents, self._tokens, self._depths = [], [], [], []
+
+  def grow(self, tokens_BWK, logp_BWK):
+    """Adds beam node w's children `tokens_BWK[:, w]` (log-probabilities `logp_BWK`).
+    Returns (beam slot of each new beam node's parent [B, W'], their tokens [B, W'])."""
+    b, w, k = tokens_BWK.shape
+    offset = sum(s.shape[1] for s in self._scores)
+    score_BC = (self.beam_score_BW[:, :, None] + logp_BWK).reshape(b, w * k)
+    token_BC = tokens_BWK.reshape(b, w * k).astype(jnp.int32)
+    self._scores.append(score_BC)
+    self._parents.append(jnp.repeat(self.beam_id_BW, k, axis=1))
+    self._tokens.append(token_BC)
+    self._depths.append(jnp.full((b, w * k), len(self._scores) - 1, jnp.int32))
+    self.beam_score_BW, best_BW = top_k_barrier(score_BC, min(self.top_k, w * k))
+    self.beam_id_BW = offset + best_BW
+    return best_BW // k, jnp.take_along_axis(token_BC, best_BW, axis=1)
+
+  def expand(self, logits_BWV, token_ids):
+    """`grow` by each beam node's top-k tokens under draft-vocabulary logits;
+    `token_ids` maps draft-vocabulary indices to target ids."""
+    logp_BWV = jax.nn.log_softmax(logits_BWV.astype(jnp.float32), axis=-1)
+    logp_BWK, idx_BWK = top_k_barrier(logp_BWV, min(self.top_k, logp_BWV.shape[-1]))
+    return self.grow(token_ids(idx_BWK), logp_BWK)
+
+  def tree(self, anchor_B, num_nodes: int) -> DraftTree:
+    """The `num_nodes - 1` best-scoring candidates under the anchor, ordered by depth."""
+    score_BC, parent_BC, token_BC, depth_BC = (jnp.concatenate(x, axis=1) for x in (
+        self._scores, self._parents, self._tokens, self._depths))
+    b = score_BC.shape[0]
+    m = min(num_nodes - 1, score_BC.shape[1])
+    _, kept_BM = top_k_barrier(score_BC - _DEPTH_TIE * depth_BC, m)
+    # Topological order: by depth (parents are shallower), stable within a depth.
+    kept_BM = jnp.take_along_axis(
+        kept_BM, jnp.argsort(jnp.take_along_axis(depth_BC, kept_BM, axis=1), axis=1,
+                             stable=True), axis=1)
+    rows = jnp.arange(b)[:, None]
+    node_of_BC = jnp.zeros(score_BC.shape, jnp.int32).at[rows, kept_BM].set(
+        jnp.arange(1, m + 1, dtype=jnp.int32)[None])
+    parent_cand = jnp.take_along_axis(parent_BC, kept_BM, axis=1)
+    parent_node = jnp.where(parent_cand < 0, 0, jnp.take_along_axis(
+        node_of_BC, jnp.maximum(parent_cand, 0), axis=1))
+    pad = num_nodes - 1 - m
+    tokens_BN = jnp.concatenate([anchor_B[:, None], jnp.take_along_axis(token_BC, kept_BM, 1),
+                                 jnp.zeros((b, pad), jnp.int32)], axis=1).astype(jnp.int32)
+    parents_BN = jnp.concatenate([jnp.full((b, 1), -1), parent_node,
+                                  jnp.full((b, pad), -1)], axis=1).astype(jnp.int32)
+    return DraftTree(tokens_BN, parents_BN, jnp.full((b,), m + 1, jnp.int32))
+
+
+def best_first_tree(anchor_B, tokens_BGK, logp_BGK, num_nodes: int) -> DraftTree:
+  """Tree of the `num_nodes - 1` best-scoring paths over per-depth candidates: depth j + 1
+  offers candidates `tokens_BGK[:, j]` with log-probabilities `logp_BGK[:, j]` under
+  every beam node of depth j (`TreeGrower` with a beam of K)."""
   b, g, k = tokens_BGK.shape
-  scores, parents, tokens, depths = [logp_BGK[:, 0]], [jnp.full((b, k), -1)], \
-      [tokens_BGK[:, 0]], [jnp.zeros((b, k), jnp.int32)]
-  beam_score, beam_id = logp_BGK[:, 0], jnp.broadcast_to(jnp.arange(k), (b, k))
-  offset = k
-  for j in range(1, g):
-    child_BKK = beam_score[:, :, None] + logp_BGK[:, j, None, :]
-    scores.append(child_BKK.reshape(b, k * k))
-    parents.append(jnp.repeat(beam_id, k, axis=1))
-    tokens.append(jnp.tile(tokens_BGK[:, j], (1, k)))
-    depths.append(jnp.full((b, k * k), j, jnp.int32))
-    beam_score, best = top_k_barrier(scores[-1], k)
-    beam_id = offset + best
-    offset += k * k
-  score_BC, parent_BC, token_BC, depth_BC = (jnp.concatenate(x, axis=1) for x in
-                                             (scores, parents, tokens, depths))
-  m = min(num_nodes - 1, score_BC.shape[1])
-  _, kept_BM = top_k_barrier(score_BC - _DEPTH_TIE * depth_BC, m)
-  # Topological order: by depth (parents are shallower), stable within a depth.
-  kept_BM = jnp.take_along_axis(
-      kept_BM, jnp.argsort(jnp.take_along_axis(depth_BC, kept_BM, axis=1), axis=1,
-                           stable=True), axis=1)
-  rows = jnp.arange(b)[:, None]
-  node_of_BC = jnp.zeros(score_BC.shape, jnp.int32).at[rows, kept_BM].set(
-      jnp.arange(1, m + 1, dtype=jnp.int32)[None])
-  parent_cand = jnp.take_along_axis(parent_BC, kept_BM, axis=1)
-  parent_node = jnp.where(parent_cand < 0, 0,
-                          jnp.take_along_axis(node_of_BC, jnp.maximum(parent_cand, 0), axis=1))
-  pad = num_nodes - 1 - m
-  tokens_BN = jnp.concatenate([anchor_B[:, None], jnp.take_along_axis(token_BC, kept_BM, 1),
-                               jnp.zeros((b, pad), jnp.int32)], axis=1).astype(jnp.int32)
-  parents_BN = jnp.concatenate([jnp.full((b, 1), -1), parent_node,
-                                jnp.full((b, pad), -1)], axis=1).astype(jnp.int32)
-  return DraftTree(tokens_BN, parents_BN, jnp.full((b,), m + 1, jnp.int32))
+  grower = TreeGrower(b, k)
+  for j in range(g):
+    w = grower.beam_id_BW.shape[1]
+    grower.grow(jnp.broadcast_to(tokens_BGK[:, j, None], (b, w, k)),
+                jnp.broadcast_to(logp_BGK[:, j, None], (b, w, k)))
+  return grower.tree(anchor_B, num_nodes)
+
+
+def anchor_of(ctx):
+  """The last committed token of every row (node 0 of its tree)."""
+  return ctx.tokens_BL[jnp.arange(ctx.tokens_BL.shape[0]), ctx.num_tokens_B - 1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +119,7 @@ class ChainTrees:
     proposal = drafter.propose(params, state, target, ctx, key)
     g = min(num_nodes - 1, proposal.tokens_BG.shape[1])
     q_BGV = None if proposal.q_BGV is None else proposal.q_BGV[:, :g]
-    anchor_B = ctx.tokens_BL[jnp.arange(ctx.tokens_BL.shape[0]), ctx.num_tokens_B - 1]
-    return DraftTree.chain(anchor_B, proposal.tokens_BG[:, :g],
+    return DraftTree.chain(anchor_of(ctx), proposal.tokens_BG[:, :g],
                            jnp.minimum(proposal.num_proposed_B, g), q_BGV)
 
 
@@ -98,5 +137,20 @@ class BlockTopKTrees:
     hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
     logp_BGV = jax.nn.log_softmax(model.draft_logits(target, hidden_BGD), axis=-1)
     logp_BGK, idx_BGK = top_k_barrier(logp_BGV, min(self.top_k, logp_BGV.shape[-1]))
-    anchor_B = ctx.tokens_BL[jnp.arange(b), ctx.num_tokens_B - 1]
-    return best_first_tree(anchor_B, model.token_ids(idx_BGK), logp_BGK, num_nodes)
+    return best_first_tree(anchor_of(ctx), model.token_ids(idx_BGK), logp_BGK, num_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamTrees:
+  """EAGLE-2's dynamic trees: `drafter.grow_tree(params, state, target, ctx, grower,
+  depth)` expands a `TreeGrower` one draft step per depth, up to the drafter's num_draft
+  (and never deeper than the tree has nodes; one depth at least)."""
+
+  top_k: int = 4
+
+  def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    del key
+    grower = TreeGrower(ctx.tokens_BL.shape[0], self.top_k)
+    drafter.grow_tree(params, state, target, ctx, grower,
+                      max(1, min(drafter.num_draft, num_nodes - 1)))
+    return grower.tree(anchor_of(ctx), num_nodes)

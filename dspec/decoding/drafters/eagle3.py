@@ -15,6 +15,8 @@ exactly those, and `carry` keeps the raw output x of entry n-2.
   propose  d_1 = head(carry). Entry n-3+k (k >= 2) reads next_hidden(previous entry's x)
            and d_{k-1}, attends to the committed cache plus the chain so far (scratch K/V,
            never written), and gives d_k.
+  tree     (`grow_tree`, tree verification) the same steps per node of EAGLE-2's beam: a
+           depth's W beam nodes run as W entries, each seeing only its ancestors' entries.
 
 So every draft equals the training-time-test step over the committed tokens followed by
 the earlier drafts (`Eagle3Model.ttt_logits`). At T > 0 with `sample_proposals`, each draft
@@ -34,6 +36,7 @@ from flax import nnx, struct
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
                                     checkpoint_path, pick_draft, record_window,
                                     sync_in_windows)
+from dspec.decoding import tree_proposers
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model
@@ -207,6 +210,50 @@ class Eagle3Drafter(DrafterBase):
     tokens_BG, _, q_BGV = self.draft(params, state, target, ctx, key)
     num_B = jnp.full((ctx.num_tokens_B.shape[0],), self.num_draft, jnp.int32)
     return Proposal(tokens_BG, num_B, q_BGV)
+
+  def tree_proposer(self, top_k: int):
+    """EAGLE-2's dynamic trees (`grow_tree`)."""
+    return tree_proposers.BeamTrees(top_k)
+
+  def grow_tree(self, params, state, target, ctx, grower, depth: int):
+    """Expands `grower` through `depth` depths, the draft chain run per beam node: the
+    root's children come from carry; the W beam nodes of depth j (j < depth) are W entries
+    at position n-2+j, each reading next_hidden(its parent's x) and its token and
+    attending to the committed cache, its ancestors' entries and itself (scratch K/V)."""
+    model = nnx.merge(self.graphdef, params)
+    cache = state.cache
+    n_B = ctx.num_tokens_B
+    b = n_B.shape[0]
+    rows = jnp.arange(b)[:, None]
+    slots_B1S = jnp.arange(cache.max_len)[None, None, :]
+    committed_BS = [(slots_B1S < (n_B - 1)[:, None, None]) & self.config.window_mask(
+        i, (n_B - 2)[:, None, None], slots_B1S) for i in range(self.config.num_layers)]
+    scratch = [[] for _ in range(self.config.num_layers)]   # per layer: (k, v) per depth
+    x_BWD = state.carry_BD[:, None]
+    parent_BW, tokens_BW = grower.expand(model.logits(x_BWD), model.token_ids)
+    anc_BWC = jnp.zeros((b, tokens_BW.shape[1], 0), bool)   # ancestors among the entries
+    for j in range(1, depth):
+      w = tokens_BW.shape[1]
+      mask_BWS = [jnp.concatenate([jnp.broadcast_to(c, (b, w, cache.max_len)), anc_BWC,
+                                   jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))],
+                                  axis=-1) for c in committed_BS]
+
+      def kv_fn_of(i, mask_BWS=mask_BWS):
+        def kv_fn(k_new, v_new):
+          scratch[i].append((k_new, v_new))
+          dt = cache.k_LBSKD.dtype
+          return (jnp.concatenate([cache.k_LBSKD[i]] + [k.astype(dt) for k, _ in scratch[i]],
+                                  axis=1),
+                  jnp.concatenate([cache.v_LBSKD[i]] + [v.astype(dt) for _, v in scratch[i]],
+                                  axis=1), mask_BWS[i])
+        return kv_fn
+
+      positions_BW = jnp.broadcast_to((n_B + j - 2)[:, None], (b, w))
+      x_BWD = model.block(target, model.next_hidden(x_BWD[rows, parent_BW]), tokens_BW,
+                          positions_BW, kv_fn_of)
+      parent_BW, tokens_BW = grower.expand(model.logits(x_BWD), model.token_ids)
+      anc_BWC = jnp.concatenate([anc_BWC[rows, parent_BW],
+                                 jax.nn.one_hot(parent_BW, w, dtype=bool)], axis=-1)
 
 
 def build(cfg, target):

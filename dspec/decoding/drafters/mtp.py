@@ -22,6 +22,8 @@ output x^k at its frontier c_k.
            (hidden = carry_{k-1} then depth k-1's draft outputs) attending to its committed
            cache plus themselves, and its last position gives d_k. These draft entries are
            scratch (never written to the cache).
+  tree     (`grow_tree`, tree verification) the same passes per node of EAGLE-2's beam:
+           a depth's W beam paths run side by side, each attending only to itself.
 
 So every draft token is exactly what the full-sequence training pass (`MTP.__call__`) gives
 at position n-2 on the committed tokens followed by the earlier drafts: training and
@@ -47,6 +49,7 @@ from flax import nnx, struct
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
                                     checkpoint_path, pick_draft, record_window,
                                     sync_in_windows)
+from dspec.decoding import tree_proposers
 from dspec.decoding.state import Proposal
 from dspec.models.config import TransformerConfig
 from dspec.models.draft_vocab import read_token_map
@@ -224,8 +227,9 @@ class MTPDrafter(DrafterBase):
       if k == 1 or not self.config.chained:
         x_last_BD = carry[k - 1]
       else:
-        x = self._draft_pass(mtp, target, k, cache, carry[k - 2], x_prev,
-                             jnp.stack(tokens, axis=1), n_B)
+        x = self._draft_pass(mtp, target, k, cache, carry[k - 2],
+                             None if x_prev is None else x_prev[:, None],
+                             jnp.stack(tokens, axis=1)[:, None], n_B)[:, 0]
         x_last_BD, x_prev = x[:, -1], x
       logits_BV = mtp.logits(target, k, mtp.final(target, k, x_last_BD[:, None]))[:, 0]
       token_B, q_BV = pick_draft(mtp, logits_BV, ctx, jax.random.fold_in(key, k),
@@ -236,36 +240,72 @@ class MTPDrafter(DrafterBase):
     q_BGV = None if qs[0] is None else jnp.stack(qs, axis=1)
     return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), q_BGV
 
-  def _draft_pass(self, mtp, target, k, cache, carry_prev_BD, x_prev_BWD, drafts_BW,
+  def _draft_pass(self, mtp, target, k, cache, carry_prev_BD, x_prev_BWJD, drafts_BWJ,
                   n_B):
-    """Depth k >= 2 over positions n-k..n-2 (reading drafts d_1..d_{k-1}), attending to
-    its committed cache (positions < n-k) plus the window itself; nothing is written."""
-    w = k - 1
-    b = n_B.shape[0]
-    j = jnp.arange(w, dtype=jnp.int32)
-    positions_BW = n_B[:, None] - k + j[None, :]
-    valid_BW = positions_BW >= 0
-    raw = carry_prev_BD[:, None] if x_prev_BWD is None else jnp.concatenate(
-        [carry_prev_BD[:, None], x_prev_BWD], axis=1)
-    h_in = mtp.chain(target, k - 1, raw)
-    cached_BWS = jnp.broadcast_to(
+    """Depth k >= 2 over positions n-k..n-2 of W paths side by side (path w reading its
+    drafts d_1..d_{k-1}, hidden: carry_{k-1} then its `x_prev_BWJD`, depth k-1's outputs),
+    each attending to the committed cache (positions < n-k) plus its own path causally;
+    nothing is written. Returns x [B, W, k-1, D]."""
+    b, nw, w = drafts_BWJ.shape
+    j = jnp.tile(jnp.arange(w, dtype=jnp.int32), nw)
+    path = jnp.repeat(jnp.arange(nw), w)
+    positions_BT = n_B[:, None] - k + j[None, :]
+    valid_BT = positions_BT >= 0
+    raw = jnp.broadcast_to(carry_prev_BD[:, None, None], (b, nw, 1, carry_prev_BD.shape[-1]))
+    if x_prev_BWJD is not None:
+      raw = jnp.concatenate([raw, x_prev_BWJD.astype(raw.dtype)], axis=2)
+    h_in = mtp.chain(target, k - 1, raw.reshape(b, nw * w, -1))
+    cached_BTS = jnp.broadcast_to(
         jnp.arange(cache.max_len)[None, None, :] < (n_B - k)[:, None, None],
-        (b, w, cache.max_len))
-    own_BWW = (j[None, None, :] <= j[None, :, None]) & valid_BW[:, None, :]
-    mask_BWS = jnp.concatenate([cached_BWS, own_BWW], axis=-1)
+        (b, nw * w, cache.max_len))
+    own_TT = (path[None, :] == path[:, None]) & (j[None, :] <= j[:, None])
+    own_BTT = own_TT[None] & valid_BT[:, None, :]
+    mask_BTS = jnp.concatenate([cached_BTS, own_BTT], axis=-1)
 
     def kv_fn(k_new, v_new):
       k_all = jnp.concatenate([cache.k_LBSKD[k - 1], k_new.astype(cache.k_LBSKD.dtype)], 1)
       v_all = jnp.concatenate([cache.v_LBSKD[k - 1], v_new.astype(cache.v_LBSKD.dtype)], 1)
-      return k_all, v_all, mask_BWS
+      return k_all, v_all, mask_BTS
 
-    return mtp.block(target, k, h_in, drafts_BW, positions_BW, kv_fn)
+    x = mtp.block(target, k, h_in, drafts_BWJ.reshape(b, nw * w), positions_BT, kv_fn)
+    return x.reshape(b, nw, w, -1)
 
   def propose(self, params, state, target, ctx, key) -> Proposal:
     tokens_BG, _, q_BGV = self.draft(params, state, target, ctx, key)
     # d_1 reads depth 1 at position n-2: nothing to propose before two tokens exist.
     num_B = jnp.where(ctx.num_tokens_B >= 2, self.num_draft, 0).astype(jnp.int32)
     return Proposal(tokens_BG, num_B, q_BGV)
+
+  def tree_proposer(self, top_k: int):
+    """EAGLE-2's dynamic trees (`grow_tree`)."""
+    return tree_proposers.BeamTrees(top_k)
+
+  def grow_tree(self, params, state, target, ctx, grower, depth: int):
+    """Expands `grower` through `depth` depths, the draft run per beam node: the root's
+    children come from depth 1's carry; a depth-(k-1) beam node's from depth k at n-2,
+    chained: over its path's k-1 positions (hidden: carry_{k-1}, then depth k-1's outputs
+    along its parent's path), the W beam paths side by side in one `_draft_pass`;
+    parallel: depth k's carry, the same children under every node of a depth."""
+    mtp = nnx.merge(self.graphdef, params)
+    carry = state.carry_GBD
+    b = ctx.num_tokens_B.shape[0]
+    rows = jnp.arange(b)[:, None]
+    logits = lambda k, x_BWD: mtp.logits(target, k, mtp.final(target, k, x_BWD))
+    parent_BW, tokens_BW = grower.expand(logits(1, carry[0][:, None]), mtp.token_ids)
+    paths_BWJ, x_prev_BWJD = tokens_BW[:, :, None], None
+    for k in range(2, depth + 1):
+      w = tokens_BW.shape[1]
+      if self.config.chained:
+        x_prev_BWJD = self._draft_pass(
+            mtp, target, k, state.cache, carry[k - 2],
+            None if x_prev_BWJD is None else x_prev_BWJD[rows, parent_BW], paths_BWJ,
+            ctx.num_tokens_B)
+        x_BWD = x_prev_BWJD[:, :, -1]
+      else:
+        x_BWD = jnp.broadcast_to(carry[k - 1][:, None], (b, w, carry.shape[-1]))
+      parent_BW, tokens_BW = grower.expand(logits(k, x_BWD), mtp.token_ids)
+      paths_BWJ = jnp.concatenate([paths_BWJ[rows, parent_BW], tokens_BW[:, :, None]],
+                                  axis=2)
 
 
 def build(cfg, target):
