@@ -41,11 +41,12 @@ STORAGE_DTYPES = ('float32', 'bfloat16')
 _STATE_ITEM = 'state'
 _METADATA_ITEM = 'metadata'
 _TMP_MARKER = '.orbax-checkpoint-tmp'
+_COMMIT_MARKER = 'commit_success.txt'
 _CHECKSUMS = 'array_sha256'
 # What a checkpoint directory may hold: orbax's items and markers, and tokenizer files that
 # exports and `convert_hf.py` copy next to the weights. `force=True` replaces nothing else.
 _CHECKPOINT_ENTRIES = frozenset({
-    _STATE_ITEM, _METADATA_ITEM, '_CHECKPOINT_METADATA', 'commit_success.txt',
+    _STATE_ITEM, _METADATA_ITEM, '_CHECKPOINT_METADATA', _COMMIT_MARKER,
     'tokenizer.json', 'tokenizer_config.json', 'generation_config.json',
     'special_tokens_map.json'})
 _unverified_warned = set()
@@ -344,14 +345,26 @@ def save_tree(path, tree, metadata: dict, *, force: bool = False) -> None:
                                _METADATA_ITEM: ocp.args.JsonSave(metadata)})
   if not exists or jax.process_count() > 1:
     _checkpointer().save(path, force=exists, args=args)
-    return
-  tag = f'{os.getpid()}-{time.time_ns()}'
-  fresh = path.parent / f'{path.name}.dspec-new-{tag}'
-  old = path.parent / f'{path.name}.dspec-old-{tag}'
-  _checkpointer().save(fresh, args=args)
-  path.rename(old)
-  fresh.rename(path)
-  old.rmtree()
+  else:
+    tag = f'{os.getpid()}-{time.time_ns()}'
+    fresh = path.parent / f'{path.name}.dspec-new-{tag}'
+    old = path.parent / f'{path.name}.dspec-old-{tag}'
+    _checkpointer().save(fresh, args=args)
+    path.rename(old)
+    fresh.rename(path)
+    old.rmtree()
+  if jax.process_index() == 0:
+    _scrub_commit_markers(path)
+
+
+def _scrub_commit_markers(path) -> None:
+  """Orbax's `commit_success.txt` markers name the absolute directory they were written
+  in; a checkpoint that is shipped (demo/, exports) must not carry the writer's paths, and
+  orbax only checks that the markers exist."""
+  for marker in [path / _COMMIT_MARKER] + [path / item / _COMMIT_MARKER
+                                           for item in (_STATE_ITEM, _METADATA_ITEM)]:
+    if marker.exists():
+      marker.write_text('Checkpoint commit was successful.\n')
 
 
 def load_tree(path, abstract_tree=None) -> tuple[Any, dict]:

@@ -44,6 +44,17 @@ def test_target_round_trip_gives_identical_logits(saved, model):
   np.testing.assert_array_equal(loaded(TOKENS).logits_BTV, model(TOKENS).logits_BTV)
 
 
+def test_saved_checkpoint_names_no_path_of_the_writer(saved, model):
+  """Shipped checkpoints (demo/, exports) carry no absolute path of the machine that wrote
+  them, orbax's commit markers included; replacing one keeps that true."""
+  save_model(saved, model, kind='target', config=TINY.to_dict(), force=True)
+  for root, _, files in os.walk(saved):
+    for name in files:
+      with open(os.path.join(root, name), 'rb') as f:
+        assert str(saved.parent).encode() not in f.read(), os.path.join(root, name)
+  load_target(saved)
+
+
 def test_bfloat16_storage_round_trip_is_close(tmp_path, model):
   path = tmp_path / 'bf16'
   save_model(path, model, kind='target', config=TINY.to_dict(), storage_dtype='bfloat16')

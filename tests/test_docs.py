@@ -104,7 +104,8 @@ def test_docs_hold_only_what_the_page_cites():
 def test_no_path_outside_the_repo():
   offending = []
   for rel in _repo_files():
-    if not rel.endswith(SCANNED) or rel.startswith(('demo/', 'runs/')):
+    # demo/ is shipped too: its checkpoints' orbax markers (*.txt) must not name the writer.
+    if not rel.endswith(SCANNED + ('.txt',)) or rel.startswith('runs/'):
       continue
     try:
       text = _read(rel)
