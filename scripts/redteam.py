@@ -1277,8 +1277,11 @@ def api_arg_cases() -> list:
   def a(name, call, message='', expect='error'):
     return Case(name, 'api_args', _api(head + call), expect, message)
 
-  gen = "dspec.generate(target, {}, max_new_tokens=4{})"
-  cases = [a(f'prompts_{n}', gen.format(p, ''), m) for n, p, m in [
+  def gen(prompts, kwarg=''):   # max_new_tokens=4 unless the case sets it
+    kwargs = kwarg if kwarg.startswith('max_new_tokens') else f'max_new_tokens=4, {kwarg}'
+    return f"dspec.generate(target, {prompts}, {kwargs.rstrip(', ')})"
+
+  cases = [a(f'prompts_{n}', gen(p), m) for n, p, m in [
       ('none', 'None', 'prompts'), ('dict', "{'a': 'x'}", 'prompts'),
       ('bytes', "b'abc'", 'prompts'), ('bytes_in_list', "[b'abc']", 'prompts[0]'),
       ('set', "{'abc'}", 'prompts'), ('int', '7', 'prompts'),
@@ -1288,7 +1291,7 @@ def api_arg_cases() -> list:
                                                  'prompts[0]'),
       ('generator', "(p for p in ['a'])", 'prompts'), ('empty_list', '[]', 'non-empty'),
       ('out_of_vocab', '[[1, 2, 10**12]]', 'out of range')]]
-  cases += [a(f'{n}', gen.format("['abc']", f', {kw}'), m) for n, kw, m in [
+  cases += [a(f'{n}', gen("['abc']", kw), m) for n, kw, m in [
       ('max_new_tokens_float', 'max_new_tokens=4.0', 'max_new_tokens'),
       ('max_new_tokens_str', "max_new_tokens='4'", 'max_new_tokens'),
       ('max_new_tokens_none', 'max_new_tokens=None', 'max_new_tokens'),

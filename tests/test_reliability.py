@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import re
 import stat
 import signal
 import subprocess
@@ -302,12 +303,18 @@ def test_old_training_checkpoints_and_exports_without_checksums_resume(tmp_path)
 
 
 @pytest.mark.parametrize('log_every, poison, named', [(1, 3, 3), (10, 3, 3)])
-def test_non_finite_loss_stops_training_naming_the_step(tmp_path, log_every, poison, named):
+def test_non_finite_loss_stops_training_naming_the_step(tmp_path, capfd, log_every, poison,
+                                                        named):
   workdir = str(tmp_path / 'run')
   exports = []
-  with pytest.raises(trainer.TrainingDiverged, match=f'non-finite loss .* at step {named}'):
+  try:
     trainer.train(_toy_task(poison_step=poison, exports=exports),
                   _toy_cfg(6, log_every=log_every), workdir)
+  except trainer.TrainingDiverged as e:   # read while the raising frames are alive
+    error, err = str(e), capfd.readouterr().err
+  assert re.search(f'non-finite loss .* at step {named}', error)
+  # the progress bar is closed first, so the CLI's error line starts a line of its own
+  assert err.endswith('\n'), err[-200:]
   assert _steps(workdir) == [2] and exports == []   # step 4 was not checkpointed
   assert not os.path.exists(os.path.join(workdir, 'final'))
   if log_every == 1:

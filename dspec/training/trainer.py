@@ -262,57 +262,56 @@ def _train_loop(task, cfg, workdir, ckpt, optimizer, graphdef, params, rest, fro
   last, evals = {}, {}
   first_bad = jnp.asarray(-1, jnp.int32)
   done = start_step
-  bar = tqdm(total=cfg.num_steps, initial=start_step, desc='train', unit='step',
-             dynamic_ncols=True, file=sys.stderr)
-  for step in range(start_step, cfg.num_steps):
-    batch = task.get_batch(step)
-    if distributed.active():   # each process feeds its devices' rows
-      batch = distributed.global_batch(batch, placement)
-    elif placement:
-      batch = placement.put_batch(jax.tree.map(jnp.asarray, batch))
-    else:
-      batch = jax.tree.map(jnp.asarray, batch)
-    done = step + 1
-    params, opt_state, metrics, first_bad = train_step(
-        params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
-    bar.update()
-    out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) > 60 * cfg.max_minutes
-    signalled = stop.signal_name   # read once: a signal may land during this step's I/O
-    if distributed.active():   # every process stops at the same step
-      out_of_time, anywhere = distributed.any_process((out_of_time, signalled is not None))
-      signalled = signalled or ('SIGTERM on another process' if anywhere else None)
-    stopping = out_of_time or signalled is not None
-    export_now = task.export is not None and (
-        signalled is not None or (cfg.get('export_every') and done % cfg.export_every == 0))
-    log_now = done % cfg.log_every == 0 or done == cfg.num_steps or stopping
-    ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or stopping
-    if log_now or ckpt_now or export_now:
-      check_finite(first_bad)
-    if log_now:
-      last = {k: float(v) for k, v in metrics.items()}
-      last.update(step=done, elapsed_s=round(time.time() - t_start, 1))
-      if task.evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.num_steps
-                                        or out_of_time):
-        evals = task.evaluate(nnx.merge(graphdef, params, rest), task.frozen)
-        last.update({f'eval/{k}': v for k, v in evals.items()})
-      logging.info('step %d %s', done, json.dumps(last))
-      bar.set_postfix(loss=f"{last['loss']:.3f}")
-      tqdm.write(json.dumps(last), file=sys.stdout)
-      if main:
-        with open(log_path, 'a') as f:
-          f.write(json.dumps(last) + '\n')
-    if ckpt_now:
-      ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
-      ckpt.wait()   # the next step donates these buffers: the save must have read them
-    if export_now:
-      task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
-    if signalled is not None:
-      print(f'stopping at step {done}: {signalled} received', flush=True)
-      break
-    if out_of_time:
-      logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
-      break
-  bar.close()
+  with tqdm(total=cfg.num_steps, initial=start_step, desc='train', unit='step',
+             dynamic_ncols=True, file=sys.stderr) as bar:   # closed before an error line is printed
+    for step in range(start_step, cfg.num_steps):
+      batch = task.get_batch(step)
+      if distributed.active():   # each process feeds its devices' rows
+        batch = distributed.global_batch(batch, placement)
+      elif placement:
+        batch = placement.put_batch(jax.tree.map(jnp.asarray, batch))
+      else:
+        batch = jax.tree.map(jnp.asarray, batch)
+      done = step + 1
+      params, opt_state, metrics, first_bad = train_step(
+          params, opt_state, frozen, batch, jax.random.fold_in(base_key, step), done, first_bad)
+      bar.update()
+      out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) > 60 * cfg.max_minutes
+      signalled = stop.signal_name   # read once: a signal may land during this step's I/O
+      if distributed.active():   # every process stops at the same step
+        out_of_time, anywhere = distributed.any_process((out_of_time, signalled is not None))
+        signalled = signalled or ('SIGTERM on another process' if anywhere else None)
+      stopping = out_of_time or signalled is not None
+      export_now = task.export is not None and (
+          signalled is not None or (cfg.get('export_every') and done % cfg.export_every == 0))
+      log_now = done % cfg.log_every == 0 or done == cfg.num_steps or stopping
+      ckpt_now = done % cfg.ckpt_every == 0 or done == cfg.num_steps or stopping
+      if log_now or ckpt_now or export_now:
+        check_finite(first_bad)
+      if log_now:
+        last = {k: float(v) for k, v in metrics.items()}
+        last.update(step=done, elapsed_s=round(time.time() - t_start, 1))
+        if task.evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.num_steps
+                                          or out_of_time):
+          evals = task.evaluate(nnx.merge(graphdef, params, rest), task.frozen)
+          last.update({f'eval/{k}': v for k, v in evals.items()})
+        logging.info('step %d %s', done, json.dumps(last))
+        bar.set_postfix(loss=f"{last['loss']:.3f}")
+        tqdm.write(json.dumps(last), file=sys.stdout)
+        if main:
+          with open(log_path, 'a') as f:
+            f.write(json.dumps(last) + '\n')
+      if ckpt_now:
+        ckpt.save(done, {'params': params, 'opt_state': opt_state}, {'step': done})
+        ckpt.wait()   # the next step donates these buffers: the save must have read them
+      if export_now:
+        task.export(nnx.merge(graphdef, params, rest), os.path.join(workdir, 'export'), done)
+      if signalled is not None:
+        print(f'stopping at step {done}: {signalled} received', flush=True)
+        break
+      if out_of_time:
+        logging.warning('stopping at step %d: max_minutes=%s reached', done, cfg.max_minutes)
+        break
   check_finite(first_bad)
   ckpt.wait()
   model = nnx.merge(graphdef, params, rest)
