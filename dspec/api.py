@@ -205,7 +205,8 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   verify_length: 'auto' (the load-aware controller picks each chunk's verify length, AR
   included, so a drafter that does not pay falls back to AR), 'fixed' (always
   `num_draft`) or 'tree' (a token tree of up to 32 nodes per step in one target pass:
-  per-slot top-4 trees for block drafters, the chain for the others).
+  per-slot top-4 trees for the block drafters, EAGLE-2 dynamic trees for EAGLE-3 and MTP,
+  the most recent matches for n-gram; the host-side suffix drafter has no tree mode).
   """
   if not isinstance(target, Target):
     raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')

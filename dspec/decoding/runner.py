@@ -30,6 +30,7 @@ from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
+from dspec.decoding.state import TreeTrace
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.metrics import acceptance_metrics
 
@@ -174,17 +175,25 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
 
 
 def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
-  """Row 0's per-step trace of an engine built with `trace=True`: the drafted tokens,
-  how many were accepted, the tokens committed (and the controller's tier)."""
+  """Row 0's per-step trace of an engine built with `trace=True`: the drafted tokens
+  (a tree engine: the tree's tokens and parents, node 0 the anchor, and the accepted
+  path's node ids), how many were accepted, the tokens committed (and the controller's
+  tier)."""
   trace, stats, tokens, prompt_len = jax.device_get(
       (state.trace, state.stats, state.tokens_BL[0], state.prompt_len_B[0]))
   pos = int(prompt_len) + 1   # after the prefill's token
   steps = []
   for s in range(int(stats.steps_B[0])):
-    num, count = int(trace.num_proposed_S[s]), int(stats.row0_committed_S[s])
-    entry = {'step': s, 'proposed': trace.drafts_SG[s, :num].tolist(),
-             'accepted': int(trace.num_accepted_S[s]),
-             'committed': tokens[pos:pos + count].tolist()}
+    count, accepted = int(stats.row0_committed_S[s]), int(trace.num_accepted_S[s])
+    entry = {'step': s}
+    if isinstance(trace, TreeTrace):
+      num = int(trace.num_nodes_S[s])
+      entry.update(tree={'tokens': trace.tokens_SN[s, :num].tolist(),
+                         'parents': trace.parents_SN[s, :num].tolist()},
+                   accepted_path=trace.path_SD1[s, :accepted + 1].tolist())
+    else:
+      entry['proposed'] = trace.drafts_SG[s, :int(trace.num_proposed_S[s])].tolist()
+    entry.update(accepted=accepted, committed=tokens[pos:pos + count].tolist())
     if tiers is not None and s < len(tiers):
       entry['tier'] = int(tiers[s])
     steps.append(entry)
@@ -208,13 +217,12 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
     raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
   gamma = drafter.num_draft
   if verify_length == 'tree':
-    if placement is not None or trace or gamma == 0 or isinstance(
-        drafter, drafter_lib.HostProposing):
+    if placement is not None or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
       raise ValueError('verify_length=tree runs a device drafter on one device without '
-                       '--config.mesh or a trace (use fixed or auto for those)')
+                       '--config.mesh (use fixed or auto for those)')
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
     return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
-                      max_depth=min(tree.num_nodes - 1, gamma))
+                      max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
   if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
     engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
                                trace=trace)

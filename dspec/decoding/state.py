@@ -94,6 +94,25 @@ class DecodeTrace:
 
 
 @struct.dataclass
+class TreeTrace:
+  """Row 0's token tree per verify step (tree engines built with `trace=True`): node
+  tokens and parents (first `num_nodes_S` nodes real), and the accepted path's node ids
+  (root first; `num_accepted_S` drafts past it)."""
+
+  tokens_SN: jnp.ndarray
+  parents_SN: jnp.ndarray
+  num_nodes_S: jnp.ndarray
+  path_SD1: jnp.ndarray
+  num_accepted_S: jnp.ndarray
+
+  @classmethod
+  def zeros(cls, max_steps: int, num_nodes: int, max_depth: int) -> 'TreeTrace':
+    z = jnp.zeros((max_steps,), jnp.int32)
+    z_SN = jnp.zeros((max_steps, num_nodes), jnp.int32)
+    return cls(z_SN, z_SN, z, jnp.zeros((max_steps, max_depth + 1), jnp.int32), z)
+
+
+@struct.dataclass
 class DecodeState:
   """Everything one decoding loop carries; static knobs live in the engine."""
 
@@ -109,7 +128,7 @@ class DecodeState:
   top_p: jnp.ndarray
   max_new_tokens: jnp.ndarray   # scalar
   stats: DecodeStats
-  trace: Optional[DecodeTrace] = None
+  trace: Optional[DecodeTrace | TreeTrace] = None
 
   LOGICAL_AXES: ClassVar[dict] = {
       'tokens_BL': ('batch', None), 'num_tokens_B': ('batch',), 'prompt_len_B': ('batch',),

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine, device_scalar
-from dspec.decoding.state import DecodeState
+from dspec.decoding.state import DecodeState, TreeTrace
 from dspec.decoding.tree import DraftTree, compact_path
 from dspec.decoding.tree_verification import verify_tree
 
@@ -77,12 +77,14 @@ class TreeEngine:
   engine: the chain engine (target, drafter, sampling, stop ids). proposer: its
   `propose_tree(drafter, params, state, target, ctx, key, num_nodes) -> DraftTree`.
   max_depth: the deepest node verified (a step commits at most max_depth + 1 tokens).
+  trace: record row 0's tree and accepted path per step (`DecodeState.trace`).
   """
 
   engine: SpeculativeEngine
   proposer: Any
   num_nodes: int
   max_depth: int
+  trace: bool = False
 
   def __post_init__(self):
     if self.num_nodes < 1 or not 0 <= self.max_depth < self.num_nodes:
@@ -172,10 +174,22 @@ class TreeEngine:
         reached_BG=s.reached_BG + reached_BG, passed_BG=s.passed_BG + passed_BG,
         row0_committed_S=s.row0_committed_S.at[s.steps_B[0]].set(count_B[0], mode='drop'))
     new_state = state.replace(tokens_BL=tokens_BL, num_tokens_B=num_tokens_B, done_B=done_B,
-                              cache=cache, step=state.step + 1, stats=stats)
+                              cache=cache, step=state.step + 1, stats=stats,
+                              trace=self._traced(state, tree, path_BD1, accepted_B))
     dstate = eng.drafter.update(drafter_params, dstate, target, eng.context(new_state),
                                 path_out._replace(cache=cache), start_B, n_B)
     return new_state.replace(drafter_state=dstate)
+
+  def _traced(self, state: DecodeState, tree: DraftTree, path_BD1, accepted_B):
+    """`state.trace` with row 0's step written at its step index (a done row: none)."""
+    t = state.trace
+    if t is None:
+      return None
+    at = jnp.where(state.done_B[0], t.num_nodes_S.shape[0], state.stats.steps_B[0])
+    put = lambda buf, value: buf.at[at].set(value, mode='drop')
+    return TreeTrace(put(t.tokens_SN, tree.tokens_BN[0]), put(t.parents_SN, tree.parents_BN[0]),
+                     put(t.num_nodes_S, tree.num_nodes_B[0]), put(t.path_SD1, path_BD1[0]),
+                     put(t.num_accepted_S, accepted_B[0]))
 
   def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps):
     stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)
@@ -184,7 +198,12 @@ class TreeEngine:
         lambda st: self.step_fn(target_params, drafter_params, st), state)
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
-    return self.engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B, **kw)
+    state = self.engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B, **kw)
+    if not self.trace:
+      return state
+    max_steps = state.stats.row0_committed_S.shape[0]
+    return state.replace(trace=_programs(self)['trace_zeros'](max_steps, self.num_nodes,
+                                                              self.max_depth))
 
   def run(self, target_params, drafter_params, state, max_steps=None) -> DecodeState:
     limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
@@ -196,4 +215,5 @@ class TreeEngine:
 
 @functools.lru_cache(maxsize=16)
 def _programs(engine: TreeEngine) -> dict:
-  return {'run': jax.jit(engine.run_fn, donate_argnums=2)}
+  return {'run': jax.jit(engine.run_fn, donate_argnums=2),
+          'trace_zeros': jax.jit(TreeTrace.zeros, static_argnums=(0, 1, 2))}

@@ -1,6 +1,6 @@
 """Tree verification in the decoding loop: greedy tree output == AR output token for token
 (ragged batch, trees cut at the budget, stop tokens inside a tree), a chain tree steps
-like the chain engine, and DFlash top-k trees keep the target's distribution at T > 0."""
+like the chain engine, the trace records each step's tree and accepted path, and DFlash top-k trees keep the target's distribution at T > 0."""
 
 import dataclasses
 
@@ -15,6 +15,7 @@ from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.runner import trace_of
 from dspec.decoding.tree import DraftTree
 from dspec.decoding.tree_engine import TreeEngine
 from dspec.decoding.tree_proposers import BlockTopKTrees, ChainTrees
@@ -67,6 +68,25 @@ def test_comb_trees_accept_through_later_siblings(tiny_split, ar_outputs):
   np.testing.assert_array_equal(stats.committed_B, [NEW_TOKENS - 1] * 3)
   np.testing.assert_array_equal(stats.steps_B, [4, 4, 5])
   np.testing.assert_array_equal(stats.accepted_B, [12 + 2, 12 + 3, 12 + 1 + 0])
+
+
+def test_trace_records_each_steps_tree_and_accepted_path(tiny_split, ar_outputs):
+  engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=SelfDrafter(num_draft=4)),
+                      CombTrees(), num_nodes=9, max_depth=4, trace=True)
+  outs, state = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  assert outs == ar_outputs
+  trace = trace_of(state)
+  committed = [trace['first_token']]
+  for step in trace['steps']:
+    tokens, parents = step['tree']['tokens'], step['tree']['parents']
+    path = step['accepted_path']
+    assert len(path) == step['accepted'] + 1 and path[0] == 0 and parents[0] == -1
+    assert all(parents[child] == parent for parent, child in zip(path, path[1:]))
+    assert step['committed'][:step['accepted']] == [tokens[n] for n in path[1:]]
+    committed += step['committed']
+  assert committed == ar_outputs[0]
+  assert trace['steps'][0]['accepted_path'] == [0, 2, 4, 6, 8]   # the correct siblings
+  assert len(trace['steps']) == int(state.stats.steps_B[0])
 
 
 @pytest.mark.parametrize('num_nodes', [1, 6, 16])
