@@ -56,13 +56,15 @@ def exact_joint(model, prompt, num_tokens, spec, temperature, top_p):
 
 
 def sample_engine(engine, target_params, drafter_params, prompt, num_samples, num_tokens,
-                  *, temperature, top_p=1.0, seed=0):
-  """First `num_tokens` generated tokens of `num_samples` independent rows."""
+                  *, temperature, top_p=1.0, seed=0, max_new_tokens=None):
+  """First `num_tokens` generated tokens of `num_samples` independent rows (a budget of
+  `max_new_tokens`, default `num_tokens`: a tree engine needs room for whole trees, as it
+  cuts a tree to the cache slots left)."""
   prompt_BP = np.tile(np.asarray(prompt, np.int32)[None], (num_samples, 1))
   lens = np.full((num_samples,), len(prompt), np.int32)
   state = engine.prefill(target_params, drafter_params, prompt_BP, lens,
                          temperature=temperature, top_p=top_p,
-                         max_new_tokens=num_tokens, seed=seed)
+                         max_new_tokens=max_new_tokens or num_tokens, seed=seed)
   state = engine.generate(target_params, drafter_params, state)
   tokens = np.asarray(jax.device_get(state.tokens_BL))
   return tokens[:, len(prompt):len(prompt) + num_tokens]
@@ -76,10 +78,12 @@ def joint_counts(samples, vocab_size):
 
 def check_engine_samples_match_target(engine, model, target_params, drafter_params, prompt,
                                       *, temperature, top_p=1.0, num_samples=60_000,
-                                      num_tokens=2, seed=0, alpha=1e-3):
+                                      num_tokens=2, seed=0, alpha=1e-3,
+                                      max_new_tokens=None):
   """Asserts the engine's sampled joint distribution equals the target's (chi-square)."""
   samples = sample_engine(engine, target_params, drafter_params, prompt, num_samples,
-                          num_tokens, temperature=temperature, top_p=top_p, seed=seed)
+                          num_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                          max_new_tokens=max_new_tokens)
   expected = exact_joint(model, prompt, num_tokens, engine.sampling, temperature, top_p)
   p_joint = chi_square_pvalue(joint_counts(samples, model.cfg.vocab_size), expected)
   p_first = chi_square_pvalue(joint_counts(samples[:, :1], model.cfg.vocab_size),

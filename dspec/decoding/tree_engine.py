@@ -187,8 +187,10 @@ class TreeEngine:
       return None
     at = jnp.where(state.done_B[0], t.num_nodes_S.shape[0], state.stats.steps_B[0])
     put = lambda buf, value: buf.at[at].set(value, mode='drop')
-    return TreeTrace(put(t.tokens_SN, tree.tokens_BN[0]), put(t.parents_SN, tree.parents_BN[0]),
-                     put(t.num_nodes_S, tree.num_nodes_B[0]), put(t.path_SD1, path_BD1[0]),
+    put_row = lambda buf, row: buf.at[at, :row.shape[0]].set(row, mode='drop')  # a smaller tree
+    return TreeTrace(put_row(t.tokens_SN, tree.tokens_BN[0]),
+                     put_row(t.parents_SN, tree.parents_BN[0]),
+                     put(t.num_nodes_S, tree.num_nodes_B[0]), put_row(t.path_SD1, path_BD1[0]),
                      put(t.num_accepted_S, accepted_B[0]))
 
   def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps):

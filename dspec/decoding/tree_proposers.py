@@ -9,6 +9,8 @@
 * `BeamTrees`: autoregressive drafters (EAGLE-3, MTP), EAGLE-2's dynamic tree. The drafter's
   `grow_tree` runs one draft step per depth over the beam's nodes, each node with its own
   draft state, and hands each node's distribution to a `TreeGrower`.
+* `NgramTrees`: the n-gram drafter. The continuations of the `top_k` most recent matches
+  of the longest matching suffix, merged into a trie (`trie_tree`); top_k = 1 is the chain.
 A `TreeGrower` expands the top-k nodes of each depth into their top-k children, scoring a
 path by the product of its draft probabilities (the expected-acceptance score EAGLE-2
 ranks by), then keeps the `num_nodes - 1` best of every expanded node.
@@ -106,6 +108,32 @@ def best_first_tree(anchor_B, tokens_BGK, logp_BGK, num_nodes: int) -> DraftTree
   return grower.tree(anchor_B, num_nodes)
 
 
+def trie_tree(anchor_B, paths_BKG, valid_BK, num_nodes: int) -> DraftTree:
+  """The trie of the valid paths under the anchor, earlier paths first: path k's node at
+  depth j + 1 is that of the first valid path with the same first j + 1 tokens. Nodes are
+  numbered path by path, depth by depth (so a parent precedes its children) and the first
+  `num_nodes - 1` are kept; the tree has min(num_nodes, 1 + K * G) nodes."""
+  b, k, g = paths_BKG.shape
+  n_out = min(num_nodes, 1 + k * g)
+  same_BKKG = jnp.cumprod(paths_BKG[:, :, None] == paths_BKG[:, None, :], axis=-1,
+                          dtype=jnp.int32) > 0
+  same_BKKG &= valid_BK[:, None, :, None]
+  owner_BKG = jnp.argmax(same_BKKG, axis=2)   # the first valid path sharing the prefix
+  new_BKG = valid_BK[:, :, None] & (owner_BKG == jnp.arange(k)[None, :, None])
+  node_BKG = jnp.cumsum(new_BKG.reshape(b, k * g), axis=1, dtype=jnp.int32).reshape(b, k, g)
+  rows = jnp.arange(b)[:, None, None]
+  parent_BKG = jnp.concatenate([
+      jnp.zeros((b, k, 1), jnp.int32),
+      node_BKG[rows, owner_BKG[:, :, :-1], jnp.arange(g - 1)[None, None, :]]], axis=2)
+  at_BKG = jnp.where(new_BKG & (node_BKG < n_out), node_BKG, n_out)   # n_out: dropped
+  tokens_BN = jnp.zeros((b, n_out), jnp.int32).at[rows, at_BKG].set(
+      paths_BKG.astype(jnp.int32), mode='drop').at[:, 0].set(anchor_B.astype(jnp.int32))
+  parents_BN = jnp.full((b, n_out), -1, jnp.int32).at[rows, at_BKG].set(
+      parent_BKG, mode='drop')
+  num_nodes_B = 1 + jnp.minimum(jnp.sum(new_BKG, axis=(1, 2), dtype=jnp.int32), n_out - 1)
+  return DraftTree(tokens_BN, parents_BN, num_nodes_B)
+
+
 def anchor_of(ctx):
   """The last committed token of every row (node 0 of its tree)."""
   return ctx.tokens_BL[jnp.arange(ctx.tokens_BL.shape[0]), ctx.num_tokens_B - 1]
@@ -154,3 +182,18 @@ class BeamTrees:
     drafter.grow_tree(params, state, target, ctx, grower,
                       max(1, min(drafter.num_draft, num_nodes - 1)))
     return grower.tree(anchor_of(ctx), num_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramTrees:
+  """N-gram trees: `drafter.recent_matches` (the `top_k` most recent matches of the
+  longest matching suffix) and their `drafter.continuations` as a `trie_tree`, most
+  recent match first (its whole continuation is the chain proposal)."""
+
+  top_k: int = 4
+
+  def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    del params, state, target, key
+    ends_BK = drafter.recent_matches(ctx.tokens_BL, ctx.num_tokens_B, self.top_k)
+    paths_BKG = drafter.continuations(ctx.tokens_BL, ctx.num_tokens_B, ends_BK)
+    return trie_tree(anchor_of(ctx), paths_BKG, ends_BK >= 0, num_nodes)

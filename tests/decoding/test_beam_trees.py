@@ -198,4 +198,4 @@ def test_eagle3_trees_keep_the_target_distribution(small_vocab_model):
                       drafter.tree_proposer(3), num_nodes=7, max_depth=2)
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
                                     [1, 5, 2, 7], temperature=1.0, num_samples=20_000,
-                                    num_tokens=2)
+                                    num_tokens=2, max_new_tokens=2 + 7)   # whole trees

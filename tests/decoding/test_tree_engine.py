@@ -102,7 +102,8 @@ def test_dflash_topk_trees_equal_ar(tiny_split, tiny_model, ar_outputs, num_node
 def test_chain_trees_step_like_the_chain_engine(tiny_split, ar_outputs):
   chain = SpeculativeEngine(tiny_split[0], drafter=NgramDrafter(num_draft=5, min_n=1,
                                                                 max_n=3), stop_ids=(44,))
-  tree = TreeEngine(chain, ChainTrees(), num_nodes=6, max_depth=5)
+  # 8 nodes: the chain's tree (6) is smaller than the engine's (and its trace's) width
+  tree = TreeEngine(chain, ChainTrees(), num_nodes=8, max_depth=5, trace=True)
   want, want_state = generate(chain, tiny_split[1], None, PROMPTS, NEW_TOKENS)
   got, got_state = generate(tree, tiny_split[1], None, PROMPTS, NEW_TOKENS)
   assert got == want
@@ -133,4 +134,5 @@ def test_dflash_topk_trees_keep_the_target_distribution(small_vocab_model, tempe
                       BlockTopKTrees(top_k=3), num_nodes=7, max_depth=2)
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
                                     [3, 1, 4, 1, 5, 9, 2, 6], temperature=temperature,
-                                    top_p=top_p, num_samples=20_000, num_tokens=2)
+                                    top_p=top_p, num_samples=20_000, num_tokens=2,
+                                    max_new_tokens=2 + 7)   # room for whole trees

@@ -4,6 +4,8 @@ The last n committed tokens (n = max_n down to min_n, largest first) are searche
 prompt + output; the most recent earlier occurrence wins and the tokens that followed it are
 proposed (`num_draft` of them; where the continuation reaches the end of the committed
 text it repeats periodically, as a loop would). No match: no proposal.
+Tree verification (`NgramTrees`) takes the `top_k` most recent occurrences of that n
+instead, one continuation each, merged into a trie.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from dspec.decoding import tree_proposers
 from dspec.decoding.drafter import StatelessDrafter, check_num_draft
 from dspec.decoding.state import Proposal
+from dspec.sampling import top_k as top_k_barrier
 
 
-def _latest_match(tokens_BL, num_tokens_B, n: int):
-  """End index p (exclusive) of the latest occurrence of the last n tokens, or -1."""
+def _match_ends_BL(tokens_BL, num_tokens_B, n: int):
+  """[B, L] bool: an earlier occurrence of the last n tokens ends (exclusive) at p."""
   b, length = tokens_BL.shape
   rows = jnp.arange(b)[:, None]
   p_P = jnp.arange(length)[None, :]
@@ -26,8 +30,7 @@ def _latest_match(tokens_BL, num_tokens_B, n: int):
     suffix_tok = tokens_BL[jnp.arange(b), jnp.clip(num_tokens_B - n + k, 0, length - 1)]
     window_tok = tokens_BL[rows, jnp.clip(p_P - n + k, 0, length - 1)]
     match &= window_tok == suffix_tok[:, None]
-  valid = match & (p_P >= n) & (p_P < num_tokens_B[:, None]) & (num_tokens_B[:, None] > n)
-  return jnp.max(jnp.where(valid, p_P, -1), axis=1)
+  return match & (p_P >= n) & (p_P < num_tokens_B[:, None]) & (num_tokens_B[:, None] > n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +54,40 @@ class NgramDrafter(StatelessDrafter):
     """The proposal after the first `num_tokens_B` tokens: it reads nothing past them, so
     what was proposed at an earlier length can be recomputed later (the controller's
     retrospective shadow drafts)."""
+    ends_B1 = self.recent_matches(tokens_BL, num_tokens_B, 1)
+    draft_BG = self.continuations(tokens_BL, num_tokens_B, ends_B1)[:, 0]
+    num_B = jnp.where(ends_B1[:, 0] >= 0, self.num_draft, 0)
+    return Proposal(draft_BG, num_B.astype(jnp.int32))
+
+  def recent_matches(self, tokens_BL, num_tokens_B, k: int):
+    """[B, k] int32 end indices of the k most recent occurrences of the last n tokens, n
+    the largest of max_n..min_n with any; most recent first, -1 past the last (no match:
+    all -1)."""
     b, length = tokens_BL.shape
-    best_B = jnp.full((b,), -1, jnp.int32)
+    ends_BL = jnp.zeros((b, length), bool)
     for n in range(self.max_n, self.min_n - 1, -1):
-      found_B = _latest_match(tokens_BL, num_tokens_B, n)
-      best_B = jnp.where(best_B >= 0, best_B, found_B)
-    # The continuation tokens[p:] may run into the proposal itself (p + j >= num_tokens);
-    # there it repeats with period num_tokens - p, which is what a loop would produce.
-    j = jnp.arange(self.num_draft)[None, :]
-    period_B = jnp.maximum(num_tokens_B - best_B, 1)
-    idx_BG = jnp.clip(best_B[:, None] + j % period_B[:, None], 0, length - 1)
-    draft_BG = tokens_BL[jnp.arange(b)[:, None], idx_BG]
-    num_B = jnp.where(best_B >= 0, self.num_draft, 0)
-    return Proposal(draft_BG.astype(jnp.int32), num_B.astype(jnp.int32))
+      ends_BL = jnp.where(jnp.any(ends_BL, axis=1, keepdims=True), ends_BL,
+                          _match_ends_BL(tokens_BL, num_tokens_B, n))
+    p_BL = jnp.where(ends_BL, jnp.arange(length, dtype=jnp.int32)[None, :], -1)
+    if k == 1:
+      return jnp.max(p_BL, axis=1, keepdims=True)
+    return top_k_barrier(p_BL, min(k, length))[0]
+
+  def continuations(self, tokens_BL, num_tokens_B, ends_BK):
+    """[B, K, num_draft] int32: the tokens after each match end. Where a continuation
+    tokens[p:] runs into the proposal itself (p + j >= num_tokens) it repeats with period
+    num_tokens - p, which is what a loop would produce (garbage for ends of -1)."""
+    b, length = tokens_BL.shape
+    j_G = jnp.arange(self.num_draft)[None, None, :]
+    period_BK = jnp.maximum(num_tokens_B[:, None] - ends_BK, 1)
+    idx_BKG = jnp.clip(ends_BK[:, :, None] + j_G % period_BK[:, :, None], 0, length - 1)
+    return tokens_BL[jnp.arange(b)[:, None, None], idx_BKG].astype(jnp.int32)
+
+  def tree_proposer(self, top_k: int):
+    """Tree verification's trees: the continuations of the `top_k` most recent matches
+    (`recent_matches`) merged into a trie (`tree_proposers.NgramTrees`); top_k = 1 is the
+    chain proposal."""
+    return tree_proposers.NgramTrees(top_k)
 
 
 def build(cfg, target):
