@@ -18,10 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
 # Every drafter (fixed), auto verification (controller decisions broadcast), sampled runs.
-RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,mtp:fixed:1,eagle3:fixed:0,dflash:fixed:0,'
-        'dflash2:auto:0,dspark:fixed:1,suffix:fixed:0')
+# Compiling dominates: one run per drafter, the controller on two tiers (AR and num_draft).
+RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash:fixed:0,dflash2:fixed:0,'
+        'dspark:fixed:1,suffix:fixed:0')
 COMMON = ['--config=configs/demo.py', '--config.max_new_tokens=12', f'--runs={RUNS}',
-          '--compilation_cache_dir=']
+          '--config.controller.tiers=(0,)', '--compilation_cache_dir=']
 
 
 def _run(argv, timeout, env=None):
