@@ -6,6 +6,8 @@
   distribution; slot j's top-k tokens are the candidates at depth j (the slots are
   predicted in parallel, so every depth-(j-1) node has the same candidates,
   `best_first_tree`).
+* `SelectorTrees`: DFlash-2. The same block pass, each node's children ranked by the
+  candidate selector given that node's token (the selector walk, as a beam).
 * `BeamTrees`: autoregressive drafters (EAGLE-3, MTP), EAGLE-2's dynamic tree. The drafter's
   `grow_tree` runs one draft step per depth over the beam's nodes, each node with its own
   draft state, and hands each node's distribution to a `TreeGrower`.
@@ -166,6 +168,42 @@ class BlockTopKTrees:
     logp_BGV = jax.nn.log_softmax(model.draft_logits(target, hidden_BGD), axis=-1)
     logp_BGK, idx_BGK = top_k_barrier(logp_BGV, min(self.top_k, logp_BGV.shape[-1]))
     return best_first_tree(anchor_of(ctx), model.token_ids(idx_BGK), logp_BGK, num_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorTrees:
+  """DFlash-2 trees: depth j offers slot j's K selector candidates, each node's children
+  scored by the selector's S given that node's token (log-softmax over the K, as the
+  walk samples them), grown as EAGLE-2's beam (`TreeGrower`). top_k = 1 is the greedy
+  walk, i.e. DFlash-2's chain proposal at T = 0."""
+
+  top_k: int = 4
+
+  def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    del key
+    model = nnx.merge(drafter.graphdef, params)
+    selector = model.candidate_selector
+    b = ctx.tokens_BL.shape[0]
+    masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
+    hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
+    unary_BGK, cand_BGK = top_k_barrier(
+        model.draft_logits(target, hidden_BGD).astype(jnp.float32), model.cfg.selector_top_k)
+    cand_BGK = cand_BGK.astype(jnp.int32)
+    g_BGR = selector.hidden_projection(hidden_BGD)
+    k = cand_BGK.shape[2]
+    grower = TreeGrower(b, self.top_k)
+    prev_BW = anchor_of(ctx)[:, None]   # the walk's predecessor of slot 1
+    for j in range(max(1, min(drafter.num_draft, num_nodes - 1))):
+      w = prev_BW.shape[1]
+      cand_BWK = jnp.broadcast_to(cand_BGK[:, j, None], (b, w, k))
+      s_BWK = unary_BGK[:, j, None] + selector.pair_scores(
+          jnp.broadcast_to(g_BGR[:, j, None], (b, w, g_BGR.shape[2])), prev_BW, cand_BWK)
+      logp_BWk, pick_BWk = top_k_barrier(jax.nn.log_softmax(s_BWK, axis=-1),
+                                         min(self.top_k, k))
+      _, prev_BW = grower.grow(jnp.take_along_axis(cand_BWK, pick_BWk, axis=2), logp_BWk)
+    tree = grower.tree(anchor_of(ctx), num_nodes)   # candidates in draft-vocab ids
+    return tree.replace(tokens_BN=tree.tokens_BN.at[:, 1:].set(
+        model.token_ids(tree.tokens_BN[:, 1:])))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,14 @@ like the chain engine, the trace records each step's tree and accepted path, and
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import generate
+from dspec.decoding.prompts import pad_prompts
 from lossless_checks import check_engine_samples_match_target
 from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
@@ -18,7 +20,8 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.runner import trace_of
 from dspec.decoding.tree import DraftTree
 from dspec.decoding.tree_engine import TreeEngine
-from dspec.decoding.tree_proposers import BlockTopKTrees, ChainTrees
+from dspec.decoding.tree_proposers import BlockTopKTrees, ChainTrees, SelectorTrees
+from dspec.models import dflash2
 from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.sampling import SamplingSpec
 
@@ -53,6 +56,20 @@ def _tiny_dflash(target_cfg, block_size=5, seed=5):
   cfg = DFlashConfig.create(target_cfg.num_layers, num_layers=1, block_size=block_size,
                             mask_token_id=11)
   return DFlashDrafter.create(DFlashModel(cfg, target_cfg, rngs=nnx.Rngs(seed)))
+
+
+def _tiny_dflash2(target_cfg, block_size=5, seed=6):
+  cfg = dflash2.DFlash2Config.create(num_target_layers=target_cfg.num_layers, num_layers=1,
+                                     block_size=block_size, mask_token_id=11,
+                                     conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                     selector_top_k=4)
+  model = dflash2.DFlash2Model(cfg, target_cfg, rngs=nnx.Rngs(seed))
+  # Pair scores big enough to re-rank the slot logits' candidates.
+  selector = model.candidate_selector
+  for i, w in enumerate((selector.predecessor_codebook, selector.successor_codebook,
+                         selector.hidden_projection.kernel)):
+    w[...] = jax.random.normal(jax.random.key(seed + i), w.shape)
+  return DFlashDrafter.create(model)
 
 
 def test_comb_trees_accept_through_later_siblings(tiny_split, ar_outputs):
@@ -97,6 +114,43 @@ def test_dflash_topk_trees_equal_ar(tiny_split, tiny_model, ar_outputs, num_node
                       max_depth=min(num_nodes - 1, drafter.num_draft))
   outs, _ = generate(engine, tiny_split[1], dparams, PROMPTS, NEW_TOKENS)
   assert outs == ar_outputs
+
+
+def test_dflash2_selector_trees(tiny_split, tiny_model, ar_outputs):
+  """top_k = 1: the selector's greedy walk, step for step; wider trees: AR's tokens and
+  at least the chain's tau."""
+  drafter, dparams = _tiny_dflash2(tiny_model.cfg)
+  assert isinstance(drafter.tree_proposer(3), SelectorTrees)
+  chain = SpeculativeEngine(tiny_split[0], drafter=drafter)
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = chain.prefill(*tiny_split[1:], dparams, prompt_BP, lens, max_new_tokens=NEW_TOKENS)
+  ctx, key = chain.context(state), jax.random.key(0)
+  proposal = drafter.propose(dparams, state.drafter_state, tiny_model, ctx, key)
+  walk = SelectorTrees(top_k=1).propose_tree(drafter, dparams, state.drafter_state,
+                                             tiny_model, ctx, key, num_nodes=5)
+  np.testing.assert_array_equal(walk.tokens_BN[:, 1:], proposal.tokens_BG)
+  np.testing.assert_array_equal(walk.parents_BN, np.broadcast_to(np.arange(5) - 1, (3, 5)))
+  unary = BlockTopKTrees(top_k=1).propose_tree(drafter, dparams, state.drafter_state,
+                                               tiny_model, ctx, key, num_nodes=5)
+  assert not np.array_equal(unary.tokens_BN, walk.tokens_BN)   # the selector re-ranks
+  want, want_state = generate(chain, tiny_split[1], dparams, PROMPTS, NEW_TOKENS)
+  tree = TreeEngine(chain, SelectorTrees(top_k=3), num_nodes=16, max_depth=4)
+  got, tree_state = generate(tree, tiny_split[1], dparams, PROMPTS, NEW_TOKENS)
+  assert want == got == ar_outputs
+  assert tree_state.stats.steps_B.sum() <= want_state.stats.steps_B.sum()
+
+
+@pytest.mark.parametrize('temperature', [1.0])
+def test_dflash2_selector_trees_keep_the_target_distribution(small_vocab_model, temperature):
+  drafter, dparams = _tiny_dflash2(small_vocab_model.cfg, block_size=3)
+  graphdef, params = nnx.split(small_vocab_model)
+  spec = SamplingSpec.create(temperature, 0, 1.0)
+  engine = TreeEngine(SpeculativeEngine(graphdef, drafter=drafter, sampling=spec),
+                      drafter.tree_proposer(3), num_nodes=7, max_depth=2)
+  check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
+                                    [3, 1, 4, 1, 5, 9, 2, 6], temperature=temperature,
+                                    num_samples=20_000, num_tokens=2,
+                                    max_new_tokens=2 + 7)   # room for whole trees
 
 
 def test_chain_trees_step_like_the_chain_engine(tiny_split, ar_outputs):

@@ -106,7 +106,10 @@ class DFlashDrafter(DrafterBase):
     return self.num_draft + 1
 
   def tree_proposer(self, top_k: int):
-    """Trees from every slot's top-k of one block pass."""
+    """Trees from one block pass: every slot's top-k (DFlash), or the candidate selector's
+    beam over each slot's candidates (DFlash-2)."""
+    if self.is_dflash2:
+      return tree_proposers.SelectorTrees(top_k)
     return tree_proposers.BlockTopKTrees(top_k)
 
   @property
