@@ -10,7 +10,9 @@
   candidate selector given that node's token (the selector walk, as a beam).
 * `BeamTrees`: autoregressive drafters (EAGLE-3, MTP), EAGLE-2's dynamic tree. The drafter's
   `grow_tree` runs one draft step per depth over the beam's nodes, each node with its own
-  draft state, and hands each node's distribution to a `TreeGrower`.
+  draft state, and hands each node's distribution to a `TreeGrower`; at T > 0 to a
+  `SampledGrower` instead (sampled siblings keep the chain's q-ratio acceptance, which
+  deterministic top-k siblings lose).
 * `NgramTrees`: the n-gram drafter. The continuations of the `top_k` most recent matches
   of the longest matching suffix, merged into a trie (`trie_tree`); top_k = 1 is the chain.
 A `TreeGrower` expands the top-k nodes of each depth into their top-k children, scoring a
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspec.decoding.tree import DraftTree
+from dspec.sampling import processed_probs, sample_from_probs
 from dspec.sampling import top_k as top_k_barrier
 
 # Breaks score ties toward shallower nodes, so a node is never kept without its parent
@@ -95,6 +98,67 @@ class TreeGrower:
     parents_BN = jnp.concatenate([jnp.full((b, 1), -1), parent_node,
                                   jnp.full((b, pad), -1)], axis=1).astype(jnp.int32)
     return DraftTree(tokens_BN, parents_BN, jnp.full((b,), m + 1, jnp.int32))
+
+
+class SampledGrower:
+  """A sampled tree for T > 0 with `grow_tree`'s `expand` interface: the root's `top_k`
+  children are drawn from its processed draft distribution q without replacement
+  (Gumbel-top-k), and every deeper node draws one child from its own q, so the tree is
+  `top_k` sampled chains (1 + top_k * depth nodes; a fixed shape, as 'without_replacement'
+  verification requires). The first chain is the chain proposal's own draw, so τ is at
+  least the chain's; the other root children are further chances where it is rejected.
+  Root draws past q's support are orphaned with their chains."""
+
+  def __init__(self, ctx, key, top_k: int, vocab_size: int):
+    self.ctx, self.key, self.top_k, self.vocab_size = ctx, key, top_k, vocab_size
+    self._q, self._tokens, self._valid = [], [], []
+
+  def expand(self, logits_BWV, token_ids):
+    b, w, v = logits_BWV.shape
+    ctx = self.ctx
+    q_BWV = processed_probs(logits_BWV.reshape(b * w, v), ctx.sampling, ctx.temperature,
+                            ctx.top_p).reshape(b, w, v)
+    key = jax.random.fold_in(self.key, len(self._q))
+    if not self._q:   # the root: top_k draws without replacement
+      logq_BV = jnp.where(q_BWV[:, 0] > 0, jnp.log(jnp.maximum(q_BWV[:, 0], 1e-38)), -jnp.inf)
+      gumbel_BV = jax.random.gumbel(key, logq_BV.shape)
+      score_BK, idx_BK = top_k_barrier(logq_BV + gumbel_BV, min(self.top_k, v))
+      valid_BK = jnp.isfinite(score_BK)
+      parent_BK = jnp.zeros(idx_BK.shape, jnp.int32)
+    else:
+      idx_BK = sample_from_probs(key, q_BWV.reshape(b * w, v)).reshape(b, w)
+      valid_BK = self._valid[-1]
+      parent_BK = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    full_BWV = jnp.zeros((b, w, self.vocab_size), jnp.float32).at[
+        :, :, token_ids(jnp.arange(v))].set(q_BWV)
+    tokens_BK = token_ids(idx_BK)
+    self._q.append(full_BWV)
+    self._tokens.append(tokens_BK)
+    self._valid.append(valid_BK)
+    return parent_BK, tokens_BK
+
+  def tree(self, anchor_B, num_nodes: int) -> DraftTree:
+    """Node 1 + d * K + i: chain i's depth-(d+1) node (its parent: the same chain's node
+    one depth up, the root for d = 0); q of each node's children ('without_replacement')."""
+    b, k = self._tokens[0].shape
+    depth = len(self._tokens)
+    n = 1 + k * depth
+    assert n <= num_nodes, (n, num_nodes)
+    i_K = jnp.arange(k, dtype=jnp.int32)
+    parents_N = jnp.concatenate([jnp.asarray([-1], jnp.int32)] + [
+        jnp.zeros((k,), jnp.int32) if d == 0 else 1 + (d - 1) * k + i_K for d in range(depth)])
+    valid_BN = jnp.concatenate([jnp.ones((b, 1), bool)] + self._valid, axis=1)
+    parents_BN = jnp.where(valid_BN, parents_N[None, :], -1)
+    tokens_BN = jnp.concatenate([anchor_B[:, None]] + self._tokens, axis=1).astype(jnp.int32)
+    # q_BNV[:, m]: node m's children distribution (the root's, then each depth's nodes).
+    q_BNV = jnp.concatenate(self._q + [jnp.zeros((b, k, self.vocab_size), jnp.float32)],
+                            axis=1)
+    pad = num_nodes - n
+    return DraftTree(
+        jnp.pad(tokens_BN, ((0, 0), (0, pad))),
+        jnp.pad(parents_BN, ((0, 0), (0, pad)), constant_values=-1),
+        jnp.full((b,), n, jnp.int32),
+        jnp.pad(q_BNV, ((0, 0), (0, pad), (0, 0))), 'without_replacement')
 
 
 def best_first_tree(anchor_B, tokens_BGK, logp_BGK, num_nodes: int) -> DraftTree:
@@ -215,10 +279,14 @@ class BeamTrees:
   top_k: int = 4
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
-    del key
-    grower = TreeGrower(ctx.tokens_BL.shape[0], self.top_k)
-    drafter.grow_tree(params, state, target, ctx, grower,
-                      max(1, min(drafter.num_draft, num_nodes - 1)))
+    if ctx.sampling.greedy:
+      grower = TreeGrower(ctx.tokens_BL.shape[0], self.top_k)
+      depth = max(1, min(drafter.num_draft, num_nodes - 1))
+    else:
+      k = max(1, min(self.top_k, num_nodes - 1))
+      grower = SampledGrower(ctx, key, k, target.cfg.vocab_size)
+      depth = max(1, min(drafter.num_draft, (num_nodes - 1) // k))
+    drafter.grow_tree(params, state, target, ctx, grower, depth)
     return grower.tree(anchor_of(ctx), num_nodes)
 
 

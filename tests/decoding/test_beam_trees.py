@@ -14,6 +14,7 @@ from lossless_checks import check_engine_samples_match_target
 from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.prompts import pad_prompts
 from dspec.decoding.state import DraftContext
 from dspec.decoding.tree_engine import TreeEngine
 from dspec.decoding.tree_proposers import BeamTrees, TreeGrower
@@ -199,3 +200,39 @@ def test_eagle3_trees_keep_the_target_distribution(small_vocab_model):
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
                                     [1, 5, 2, 7], temperature=1.0, num_samples=20_000,
                                     num_tokens=2, max_new_tokens=2 + 7)   # whole trees
+
+
+def test_mtp_sampled_trees_keep_the_target_distribution(small_vocab_model):
+  graphdef, params = nnx.split(small_vocab_model)
+  drafter, dparams = MTPDrafter.from_model(_mtp(MTPConfig(num_depths=2),
+                                                target_cfg=small_vocab_model.cfg))
+  engine = TreeEngine(SpeculativeEngine(graphdef, drafter=drafter,
+                                        sampling=SamplingSpec(greedy=False)),
+                      drafter.tree_proposer(3), num_nodes=7, max_depth=2)
+  check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
+                                    [1, 5, 2, 7], temperature=1.0, num_samples=20_000,
+                                    num_tokens=2, max_new_tokens=2 + 7)   # whole trees
+
+
+def test_sampled_trees_are_chains_under_sampled_siblings(tiny_model):
+  """At T > 0 a beam drafter's tree is top_k sampled chains: distinct root children, each
+  node's q its own draft distribution, and the first chain the chain proposal's shape."""
+  drafter, dparams = AR_DRAFTERS['eagle3'](tiny_model)
+  graphdef, params = nnx.split(tiny_model)
+  engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=SamplingSpec(greedy=False))
+  prompt_BP, lens = pad_prompts(PROMPTS)
+  state = engine.prefill(params, dparams, prompt_BP, lens, temperature=1.0,
+                         max_new_tokens=NEW_TOKENS)
+  tree = drafter.tree_proposer(4).propose_tree(drafter, dparams, state.drafter_state,
+                                               tiny_model, engine.context(state),
+                                               jax.random.key(1), num_nodes=16)
+  assert tree.sibling_draw == 'without_replacement'
+  tree.check()
+  np.testing.assert_array_equal(tree.num_nodes_B, 1 + 4 * 3)
+  parents = np.asarray(tree.parents_BN[0, :13])
+  np.testing.assert_array_equal(parents, [-1, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+  roots = np.asarray(tree.tokens_BN[:, 1:5])
+  assert all(len(set(r)) == 4 for r in roots)   # drawn without replacement
+  q = np.asarray(tree.q_BNV)
+  np.testing.assert_allclose(q[:, :9].sum(-1), 1.0, atol=1e-5)   # nodes with children
+  assert np.all(q[np.arange(3)[:, None], 0, roots] > 0)
