@@ -100,17 +100,38 @@ class TreeGrower:
     return DraftTree(tokens_BN, parents_BN, jnp.full((b,), m + 1, jnp.int32))
 
 
-class SampledGrower:
-  """A sampled tree for T > 0 with `grow_tree`'s `expand` interface: the root's `top_k`
-  children are drawn from its processed draft distribution q without replacement
-  (Gumbel-top-k), and every deeper node draws one child from its own q, so the tree is
-  `top_k` sampled chains (1 + top_k * depth nodes; a fixed shape, as 'without_replacement'
-  verification requires). The first chain is the chain proposal's own draw, so τ is at
-  least the chain's; the other root children are further chances where it is rejected.
-  Root draws past q's support are orphaned with their chains."""
+def chain_lengths(top_k: int, depth: int, budget: int) -> tuple:
+  """Lengths of a sampled tree's `top_k` chains (non-increasing, at most `depth`, summing to
+  at most `budget` nodes): staggered, depth - i for chain i (a later root draw is accepted
+  less often), then filled chain by chain while the budget lasts."""
+  lengths = [max(1, depth - i) for i in range(top_k)]
+  while sum(lengths) > budget and len(lengths) > 1:
+    lengths.pop()
+  while sum(lengths) > budget:
+    lengths[0] -= 1
+  grown = True
+  while grown:
+    grown = False
+    for i in range(1, len(lengths)):
+      if sum(lengths) < budget and lengths[i] < lengths[i - 1]:
+        lengths[i] += 1
+        grown = True
+  return tuple(lengths)
 
-  def __init__(self, ctx, key, top_k: int, vocab_size: int):
-    self.ctx, self.key, self.top_k, self.vocab_size = ctx, key, top_k, vocab_size
+
+class SampledGrower:
+  """A sampled tree for T > 0 with `grow_tree`'s `expand` interface: the root's children
+  are drawn from its processed draft distribution q without replacement (Gumbel-top-k) and
+  every deeper node draws one child from its own q, so the tree is sampled chains of the
+  static `lengths` (`chain_lengths`; a fixed shape, as 'without_replacement' verification
+  requires). The first chain is the chain proposal's own draw, so τ is at least the
+  chain's; the other root children are further chances where it is rejected. Root draws
+  past q's support are orphaned with their chains."""
+
+  def __init__(self, ctx, key, lengths, vocab_size: int):
+    self.ctx, self.key, self.vocab_size = ctx, key, vocab_size
+    # widths[d]: the chains reaching depth d + 1 (the beam after d + 1 expansions)
+    self.widths = tuple(sum(n > d for n in lengths) for d in range(max(lengths)))
     self._q, self._tokens, self._valid = [], [], []
 
   def expand(self, logits_BWV, token_ids):
@@ -118,17 +139,19 @@ class SampledGrower:
     ctx = self.ctx
     q_BWV = processed_probs(logits_BWV.reshape(b * w, v), ctx.sampling, ctx.temperature,
                             ctx.top_p).reshape(b, w, v)
-    key = jax.random.fold_in(self.key, len(self._q))
-    if not self._q:   # the root: top_k draws without replacement
+    d = len(self._q)
+    key = jax.random.fold_in(self.key, d)
+    width = self.widths[d]
+    if d == 0:   # the root: draws without replacement
       logq_BV = jnp.where(q_BWV[:, 0] > 0, jnp.log(jnp.maximum(q_BWV[:, 0], 1e-38)), -jnp.inf)
       gumbel_BV = jax.random.gumbel(key, logq_BV.shape)
-      score_BK, idx_BK = top_k_barrier(logq_BV + gumbel_BV, min(self.top_k, v))
+      score_BK, idx_BK = top_k_barrier(logq_BV + gumbel_BV, min(width, v))
       valid_BK = jnp.isfinite(score_BK)
       parent_BK = jnp.zeros(idx_BK.shape, jnp.int32)
-    else:
-      idx_BK = sample_from_probs(key, q_BWV.reshape(b * w, v)).reshape(b, w)
-      valid_BK = self._valid[-1]
-      parent_BK = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    else:        # the first `width` chains go one deeper
+      idx_BK = sample_from_probs(key, q_BWV[:, :width].reshape(b * width, v)).reshape(b, width)
+      valid_BK = self._valid[-1][:, :width]
+      parent_BK = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
     full_BWV = jnp.zeros((b, w, self.vocab_size), jnp.float32).at[
         :, :, token_ids(jnp.arange(v))].set(q_BWV)
     tokens_BK = token_ids(idx_BK)
@@ -138,21 +161,22 @@ class SampledGrower:
     return parent_BK, tokens_BK
 
   def tree(self, anchor_B, num_nodes: int) -> DraftTree:
-    """Node 1 + d * K + i: chain i's depth-(d+1) node (its parent: the same chain's node
-    one depth up, the root for d = 0); q of each node's children ('without_replacement')."""
-    b, k = self._tokens[0].shape
-    depth = len(self._tokens)
-    n = 1 + k * depth
+    """Nodes depth by depth, chain i's node at index i of its depth (its parent: the same
+    chain's node one depth up, the root at depth 1); q of each node's children."""
+    b = anchor_B.shape[0]
+    widths = [w for w, _ in zip(self.widths, self._tokens)]
+    n = 1 + sum(widths)
     assert n <= num_nodes, (n, num_nodes)
-    i_K = jnp.arange(k, dtype=jnp.int32)
+    offsets = [1 + sum(widths[:d]) for d in range(len(widths))]
     parents_N = jnp.concatenate([jnp.asarray([-1], jnp.int32)] + [
-        jnp.zeros((k,), jnp.int32) if d == 0 else 1 + (d - 1) * k + i_K for d in range(depth)])
+        jnp.zeros((w,), jnp.int32) if d == 0 else offsets[d - 1] + jnp.arange(w, dtype=jnp.int32)
+        for d, w in enumerate(widths)])
     valid_BN = jnp.concatenate([jnp.ones((b, 1), bool)] + self._valid, axis=1)
     parents_BN = jnp.where(valid_BN, parents_N[None, :], -1)
     tokens_BN = jnp.concatenate([anchor_B[:, None]] + self._tokens, axis=1).astype(jnp.int32)
     # q_BNV[:, m]: node m's children distribution (the root's, then each depth's nodes).
-    q_BNV = jnp.concatenate(self._q + [jnp.zeros((b, k, self.vocab_size), jnp.float32)],
-                            axis=1)
+    q_BNV = jnp.concatenate(self._q + [jnp.zeros((b, widths[-1], self.vocab_size),
+                                                 jnp.float32)], axis=1)
     pad = num_nodes - n
     return DraftTree(
         jnp.pad(tokens_BN, ((0, 0), (0, pad))),
@@ -283,9 +307,9 @@ class BeamTrees:
       grower = TreeGrower(ctx.tokens_BL.shape[0], self.top_k)
       depth = max(1, min(drafter.num_draft, num_nodes - 1))
     else:
-      k = max(1, min(self.top_k, num_nodes - 1))
-      grower = SampledGrower(ctx, key, k, target.cfg.vocab_size)
-      depth = max(1, min(drafter.num_draft, (num_nodes - 1) // k))
+      lengths = chain_lengths(self.top_k, drafter.num_draft, num_nodes - 1)
+      grower = SampledGrower(ctx, key, lengths, target.cfg.vocab_size)
+      depth = max(lengths)
     drafter.grow_tree(params, state, target, ctx, grower, depth)
     return grower.tree(anchor_of(ctx), num_nodes)
 
