@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dspec.decoding import tree_proposers
 from dspec.decoding.drafter import (DrafterBase, check_num_draft, check_width_and_vocab,
                                     checkpoint_path)
 from dspec.decoding.drafters.dflash import DFlashDrafter, DFlashState
@@ -147,8 +148,15 @@ class DSparkDrafter(DFlashDrafter):
     return Proposal(walk.tokens_BG, n_B, walk.q_BGV)
 
   def draft(self, model: dspark_model.DSparkModel, cache, target, ctx, key):
-    """(the Markov walk over the block, block length [B]): only the first
-    min(b, remaining) block keys exist."""
+    """(the Markov walk over the block, block length [B])."""
+    hidden_BTD, block_len_B = self._block_hidden(model, cache, target, ctx)
+    walk = model.walk(target, hidden_BTD, self._anchor(ctx), sampling=ctx.sampling,
+                      temperature=ctx.temperature, top_p=ctx.top_p, key=key)
+    return walk, block_len_B
+
+  def _block_hidden(self, model: dspark_model.DSparkModel, cache, target, ctx):
+    """(the block's hidden [B, b, D], block length [B]): only the first min(b, remaining)
+    block keys exist."""
     b = self.block_size
     anchor_B = self._anchor(ctx)
     anchor_pos_B = ctx.num_tokens_B - 1
@@ -157,11 +165,37 @@ class DSparkDrafter(DFlashDrafter):
     positions_BT = anchor_pos_B[:, None] + jnp.arange(b, dtype=jnp.int32)
     block_len_B = jnp.clip(ctx.remaining_B, 1, b).astype(jnp.int32)
     offsets_B2 = jnp.stack([cache.lengths_B, block_len_B], axis=-1)
-    hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
-                       model.cfg.draft_masks(b), offsets_B2)
-    walk = model.walk(target, hidden_BTD, anchor_B, sampling=ctx.sampling,
-                      temperature=ctx.temperature, top_p=ctx.top_p, key=key)
-    return walk, block_len_B
+    return model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
+                 model.cfg.draft_masks(b), offsets_B2), block_len_B
+
+  def tree_proposer(self, top_k: int):
+    """Beam trees over the Markov walk (`grow_tree`), EAGLE-2's as for EAGLE-3."""
+    return tree_proposers.BeamTrees(top_k)
+
+  def grow_tree(self, params, state, target, ctx, grower, depth: int):
+    """Expands `grower` through `depth` slots of one block pass: slot k's logits plus the
+    Markov head's bias given each beam node's own path (its token and recurrent state)."""
+    model = nnx.merge(self.graphdef, params)
+    hidden_BTD, _ = self._block_hidden(model, state.cache, target, ctx)
+    base_BGV = model.draft_logits(target, hidden_BTD).astype(jnp.float32)
+    head = model.markov_head
+    b = base_BGV.shape[0]
+    rows = jnp.arange(b)[:, None]
+    prev_BW = self._anchor(ctx)[:, None]
+    markov_BWR = None if head is None else jnp.zeros((b, 1, head.rank), jnp.float32)
+    for k in range(depth):
+      w = prev_BW.shape[1]
+      logits_BWV = jnp.broadcast_to(base_BGV[:, k, None], (b, w, base_BGV.shape[2]))
+      if head is not None:
+        hidden_WD = jnp.broadcast_to(hidden_BTD[:, k, None], (b, w, hidden_BTD.shape[2]))
+        markov_NR, bias_NV = head.step(markov_BWR.reshape(b * w, -1),
+                                       head.embed(prev_BW.reshape(-1)),
+                                       hidden_WD.reshape(b * w, -1))
+        logits_BWV = logits_BWV + bias_NV.reshape(b, w, -1)
+        markov_BWR = markov_NR.reshape(b, w, -1)
+      parent_BW, prev_BW = grower.expand(logits_BWV, model.token_ids)
+      if head is not None:
+        markov_BWR = markov_BWR[rows, parent_BW]
 
 
 def build(cfg, target) -> Tuple[DSparkDrafter, Any]:
