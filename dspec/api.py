@@ -204,9 +204,11 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   timing_repeats: > 0 times that many runs after a warm-up (medians); 0 runs once.
   verify_length: 'auto' (the load-aware controller picks each chunk's verify length, AR
   included, so a drafter that does not pay falls back to AR), 'fixed' (always
-  `num_draft`) or 'tree' (a token tree of up to 32 nodes per step in one target pass:
-  per-slot top-4 trees for the block drafters, EAGLE-2 dynamic trees for EAGLE-3 and MTP,
-  the most recent matches for n-gram; the host-side suffix drafter has no tree mode).
+  `num_draft`) or 'tree' (a token tree of up to 32 nodes per step in one target pass,
+  `dspec.decoding.tree_proposers`: top-8 trees over one block pass for DFlash (per slot)
+  and DFlash-2 (by its selector); EAGLE-2 dynamic trees for EAGLE-3, MTP and DSpark's
+  Markov walk, sampled chains for those at T > 0; the most recent matches for n-gram; the
+  host-side suffix drafter has no tree mode).
   """
   if not isinstance(target, Target):
     raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')

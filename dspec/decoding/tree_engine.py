@@ -38,7 +38,7 @@ class TreeConfig:
   candidates per slot of a block drafter's tree."""
 
   num_nodes: int = 32
-  top_k: int = 4
+  top_k: int = 8
 
   def __post_init__(self):
     if not 2 <= self.num_nodes <= 1024:

@@ -101,22 +101,12 @@ class TreeGrower:
 
 
 def chain_lengths(top_k: int, depth: int, budget: int) -> tuple:
-  """Lengths of a sampled tree's `top_k` chains (non-increasing, at most `depth`, summing to
-  at most `budget` nodes): staggered, depth - i for chain i (a later root draw is accepted
-  less often), then filled chain by chain while the budget lasts."""
-  lengths = [max(1, depth - i) for i in range(top_k)]
-  while sum(lengths) > budget and len(lengths) > 1:
-    lengths.pop()
-  while sum(lengths) > budget:
-    lengths[0] -= 1
-  grown = True
-  while grown:
-    grown = False
-    for i in range(1, len(lengths)):
-      if sum(lengths) < budget and lengths[i] < lengths[i - 1]:
-        lengths[i] += 1
-        grown = True
-  return tuple(lengths)
+  """Lengths of a sampled tree's chains: min(top_k, budget) chains of equal length, as
+  deep as `budget` nodes allow (at most `depth`). At T > 0 acceptance falls fast with
+  depth, so more root draws beat deeper chains (demo EAGLE-3, 31 nodes: 8 chains of 3 gave
+  τ 1.20x the chain's, 4 of 7 1.12x, 8 staggered 7..1 1.17x)."""
+  k = max(1, min(top_k, budget))
+  return (max(1, min(depth, budget // k)),) * k
 
 
 class SampledGrower:
@@ -245,7 +235,7 @@ class ChainTrees:
 class BlockTopKTrees:
   """Per-slot top-k trees from one DFlash / DFlash-2 block pass (`best_first_tree`)."""
 
-  top_k: int = 4
+  top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
     del key
@@ -265,7 +255,7 @@ class SelectorTrees:
   walk samples them), grown as EAGLE-2's beam (`TreeGrower`). top_k = 1 is the greedy
   walk, i.e. DFlash-2's chain proposal at T = 0."""
 
-  top_k: int = 4
+  top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
     del key
@@ -300,7 +290,7 @@ class BeamTrees:
   depth)` expands a `TreeGrower` one draft step per depth, up to the drafter's num_draft
   (and never deeper than the tree has nodes; one depth at least)."""
 
-  top_k: int = 4
+  top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
     if ctx.sampling.greedy:
@@ -320,7 +310,7 @@ class NgramTrees:
   longest matching suffix) and their `drafter.continuations` as a `trie_tree`, most
   recent match first (its whole continuation is the chain proposal)."""
 
-  top_k: int = 4
+  top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
     del params, state, target, key
