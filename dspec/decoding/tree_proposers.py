@@ -2,13 +2,14 @@
 
 * `ChainTrees`: the drafter's chain proposal as the degenerate tree (the chain engine's
   acceptance, through the tree path).
-* `BlockTopKTrees`: DFlash / DFlash-2 block drafters. One block pass gives every slot's
-  distribution; slot j's top-k tokens are the candidates at depth j (the slots are
-  predicted in parallel, so every depth-(j-1) node has the same candidates,
-  `best_first_tree`).
+* `BlockTopKTrees`: DFlash. One block pass gives every slot's distribution; slot j's
+  top-k tokens are the candidates at depth j (the slots are predicted in parallel, so
+  every depth-(j-1) node has the same candidates, `best_first_tree`); at T > 0 sampled
+  chains from the slots' q.
 * `SelectorTrees`: DFlash-2. The same block pass, each node's children ranked by the
   candidate selector given that node's token (the selector walk, as a beam).
-* `BeamTrees`: autoregressive drafters (EAGLE-3, MTP), EAGLE-2's dynamic tree. The drafter's
+* `BeamTrees`: autoregressive drafters (EAGLE-3, MTP, DSpark's Markov walk), EAGLE-2's
+  dynamic tree. The drafter's
   `grow_tree` runs one draft step per depth over the beam's nodes, each node with its own
   draft state, and hands each node's distribution to a `TreeGrower`; at T > 0 to a
   `SampledGrower` instead (sampled siblings keep the chain's q-ratio acceptance, which
@@ -19,7 +20,8 @@ A `TreeGrower` expands the top-k nodes of each depth into their top-k children, 
 path by the product of its draft probabilities (the expected-acceptance score EAGLE-2
 ranks by), then keeps the `num_nodes - 1` best of every expanded node.
 Trees drafted this way are deterministic functions of the committed prefix, so they are
-verified with one-hot sibling q ('deterministic'), exact at every temperature.
+verified with one-hot sibling q ('deterministic'), exact at every temperature. A
+`SampledGrower` tree has a fixed shape and its draws' q, verified 'without_replacement'.
 """
 
 from __future__ import annotations
@@ -233,17 +235,26 @@ class ChainTrees:
 
 @dataclasses.dataclass(frozen=True)
 class BlockTopKTrees:
-  """Per-slot top-k trees from one DFlash / DFlash-2 block pass (`best_first_tree`)."""
+  """DFlash trees from one block pass: per-slot top-k (`best_first_tree`) at T = 0, and
+  at T > 0 sampled chains whose depth-j nodes draw from slot j's q (`SampledGrower`)."""
 
   top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
-    del key
     model = nnx.merge(drafter.graphdef, params)
     b = ctx.tokens_BL.shape[0]
     masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
     hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
-    logp_BGV = jax.nn.log_softmax(model.draft_logits(target, hidden_BGD), axis=-1)
+    logits_BGV = model.draft_logits(target, hidden_BGD)
+    if not ctx.sampling.greedy:   # sampled chains, slot j's q at depth j (`SampledGrower`)
+      lengths = chain_lengths(self.top_k, drafter.num_draft, num_nodes - 1)
+      grower = SampledGrower(ctx, key, lengths, target.cfg.vocab_size)
+      for j in range(max(lengths)):
+        w = 1 if j == 0 else grower.widths[j - 1]
+        grower.expand(jnp.broadcast_to(logits_BGV[:, j, None], (b, w, logits_BGV.shape[2])),
+                      model.token_ids)
+      return grower.tree(anchor_of(ctx), num_nodes)
+    logp_BGV = jax.nn.log_softmax(logits_BGV, axis=-1)
     logp_BGK, idx_BGK = top_k_barrier(logp_BGV, min(self.top_k, logp_BGV.shape[-1]))
     return best_first_tree(anchor_of(ctx), model.token_ids(idx_BGK), logp_BGK, num_nodes)
 
