@@ -263,52 +263,36 @@ class BlockTopKTrees:
 class SelectorTrees:
   """DFlash-2 trees: depth j offers slot j's K selector candidates, each node's children
   scored by the selector's S given that node's token (log-softmax over the K, as the
-  walk samples them), grown as EAGLE-2's beam (`TreeGrower`); at T > 0 sampled chains
-  drawn from the processed softmax of S (`SampledGrower`). top_k = 1 is the greedy walk,
-  i.e. DFlash-2's chain proposal at T = 0."""
+  walk samples them), grown as EAGLE-2's beam (`TreeGrower`). top_k = 1 is the greedy
+  walk, i.e. DFlash-2's chain proposal at T = 0."""
 
   top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    del key
     model = nnx.merge(drafter.graphdef, params)
     selector = model.candidate_selector
     b = ctx.tokens_BL.shape[0]
     masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
     hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
-    logits_BGV = model.draft_logits(target, hidden_BGD).astype(jnp.float32)
-    unary_BGK, cand_BGK = top_k_barrier(logits_BGV, model.cfg.selector_top_k)
+    unary_BGK, cand_BGK = top_k_barrier(
+        model.draft_logits(target, hidden_BGD).astype(jnp.float32), model.cfg.selector_top_k)
     cand_BGK = cand_BGK.astype(jnp.int32)
     g_BGR = selector.hidden_projection(hidden_BGD)
-    b, _, k = cand_BGK.shape
-    v = logits_BGV.shape[2]
-    if ctx.sampling.greedy:
-      grower = TreeGrower(b, self.top_k)
-      depth = max(1, min(drafter.num_draft, num_nodes - 1))
-    else:   # in draft-vocabulary ids throughout, mapped to the target's below
-      lengths = chain_lengths(self.top_k, drafter.num_draft, num_nodes - 1)
-      grower = SampledGrower(ctx, key, lengths, v)
-      depth = max(lengths)
+    k = cand_BGK.shape[2]
+    grower = TreeGrower(b, self.top_k)
     prev_BW = anchor_of(ctx)[:, None]   # the walk's predecessor of slot 1
-    for j in range(depth):
+    for j in range(max(1, min(drafter.num_draft, num_nodes - 1))):
       w = prev_BW.shape[1]
       cand_BWK = jnp.broadcast_to(cand_BGK[:, j, None], (b, w, k))
       s_BWK = unary_BGK[:, j, None] + selector.pair_scores(
           jnp.broadcast_to(g_BGR[:, j, None], (b, w, g_BGR.shape[2])), prev_BW, cand_BWK)
-      if ctx.sampling.greedy:
-        logp_BWk, pick_BWk = top_k_barrier(jax.nn.log_softmax(s_BWK, axis=-1),
-                                           min(self.top_k, k))
-        _, prev_BW = grower.grow(jnp.take_along_axis(cand_BWK, pick_BWk, axis=2), logp_BWk)
-      else:         # S over the candidates, -inf elsewhere
-        scores_BWV = jnp.full((b, w, v), -jnp.inf).at[
-            jnp.arange(b)[:, None, None], jnp.arange(w)[None, :, None], cand_BWK].set(s_BWK)
-        _, prev_BW = grower.expand(scores_BWV, lambda idx: idx.astype(jnp.int32))
+      logp_BWk, pick_BWk = top_k_barrier(jax.nn.log_softmax(s_BWK, axis=-1),
+                                         min(self.top_k, k))
+      _, prev_BW = grower.grow(jnp.take_along_axis(cand_BWK, pick_BWk, axis=2), logp_BWk)
     tree = grower.tree(anchor_of(ctx), num_nodes)   # candidates in draft-vocab ids
-    tree = tree.replace(tokens_BN=tree.tokens_BN.at[:, 1:].set(
+    return tree.replace(tokens_BN=tree.tokens_BN.at[:, 1:].set(
         model.token_ids(tree.tokens_BN[:, 1:])))
-    if tree.q_BNV is None:
-      return tree
-    q_BNV = jnp.zeros(tree.q_BNV.shape[:2] + (target.cfg.vocab_size,), jnp.float32)
-    return tree.replace(q_BNV=q_BNV.at[:, :, model.token_ids(jnp.arange(v))].set(tree.q_BNV))
 
 
 @dataclasses.dataclass(frozen=True)
