@@ -62,10 +62,12 @@ def test_tree_verification_gives_the_ar_output(target, ar):
                        compare_ar=True, verify_length='tree')
   assert out.ids == ar.ids and out.metrics['lossless'] is True
   assert out.metrics['verify_length'] == 'tree'
-  assert 1.0 <= out.metrics['nodes_verified_per_step'] <= 5.0
-  with pytest.raises(ValueError, match='verify_length=tree'):
-    dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
-                   verify_length='tree', trace=True)
+  assert 1.0 <= out.metrics['nodes_verified_per_step'] <= 32.0   # tries of recent matches
+  traced = dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
+                          verify_length='tree', trace=True)
+  assert traced.ids == ar.ids
+  assert traced.trace['steps'] and all('tree' in s and 'accepted_path' in s
+                                       for s in traced.trace['steps'])
 
 
 def test_numpy_ids_and_tuples_are_taken_as_they_are(target, ar):
