@@ -216,6 +216,15 @@ def trie_tree(anchor_B, paths_BKG, valid_BK, num_nodes: int) -> DraftTree:
   return DraftTree(tokens_BN, parents_BN, num_nodes_B)
 
 
+def block_pass(drafter, params, state, target, ctx):
+  """(the merged block drafter, its hidden [B, G, D] for [anchor, MASK x G]): the one pass
+  a DFlash / DFlash-2 tree is drafted from."""
+  model = nnx.merge(drafter.graphdef, params)
+  masks_BG = jnp.full((ctx.tokens_BL.shape[0], drafter.num_draft),
+                      drafter.config.mask_token_id, jnp.int32)
+  return model, drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
+
+
 def anchor_of(ctx):
   """The last committed token of every row (node 0 of its tree)."""
   return ctx.tokens_BL[jnp.arange(ctx.tokens_BL.shape[0]), ctx.num_tokens_B - 1]
@@ -241,10 +250,8 @@ class BlockTopKTrees:
   top_k: int = 8
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
-    model = nnx.merge(drafter.graphdef, params)
-    b = ctx.tokens_BL.shape[0]
-    masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
-    hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
+    model, hidden_BGD = block_pass(drafter, params, state, target, ctx)
+    b = hidden_BGD.shape[0]
     logits_BGV = model.draft_logits(target, hidden_BGD)
     if not ctx.sampling.greedy:   # sampled chains, slot j's q at depth j (`SampledGrower`)
       lengths = chain_lengths(self.top_k, drafter.num_draft, num_nodes - 1)
@@ -270,11 +277,9 @@ class SelectorTrees:
 
   def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
     del key
-    model = nnx.merge(drafter.graphdef, params)
+    model, hidden_BGD = block_pass(drafter, params, state, target, ctx)
     selector = model.candidate_selector
-    b = ctx.tokens_BL.shape[0]
-    masks_BG = jnp.full((b, drafter.num_draft), drafter.config.mask_token_id, jnp.int32)
-    hidden_BGD = drafter.block_hidden(model, state.cache, target, ctx, masks_BG)
+    b = hidden_BGD.shape[0]
     unary_BGK, cand_BGK = top_k_barrier(
         model.draft_logits(target, hidden_BGD).astype(jnp.float32), model.cfg.selector_top_k)
     cand_BGK = cand_BGK.astype(jnp.int32)
