@@ -189,26 +189,21 @@ def test_eagle3_trees_stop_token(tiny_split, tiny_model, ar_outputs):
     assert out == (ref[:ref.index(stop) + 1] if stop in ref else ref)
 
 
-def test_eagle3_trees_keep_the_target_distribution(small_vocab_model):
-  graphdef, params = nnx.split(small_vocab_model)
-  model = _eagle3(small_vocab_model, target_cfg=small_vocab_model.cfg, scale=30.0,
-                  target_layer_ids=(0, 1), draft_vocab=(0, 2, 3, 5, 7, 8, 11))
-  drafter, dparams = Eagle3Drafter.create(model, 3)   # 3 sampled chains of 2
-  engine = TreeEngine(SpeculativeEngine(graphdef, drafter=drafter,
-                                        sampling=SamplingSpec(greedy=False)),
-                      drafter.tree_proposer(3), num_nodes=7, max_depth=3)
-  check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
-                                    [1, 5, 2, 7], temperature=1.0, num_samples=20_000,
-                                    num_tokens=2, max_new_tokens=2 + 7)   # whole trees
+SAMPLED_DRAFTERS = {   # on the small-vocabulary target
+    'eagle3': lambda t: Eagle3Drafter.create(   # 3 sampled chains of 2, reduced vocab
+        _eagle3(t, target_cfg=t.cfg, scale=30.0, target_layer_ids=(0, 1),
+                draft_vocab=(0, 2, 3, 5, 7, 8, 11)), 3),
+    'mtp': lambda t: MTPDrafter.from_model(_mtp(MTPConfig(num_depths=2), target_cfg=t.cfg)),
+}
 
 
-def test_mtp_sampled_trees_keep_the_target_distribution(small_vocab_model):
+@pytest.mark.parametrize('kind', list(SAMPLED_DRAFTERS))
+def test_sampled_trees_keep_the_target_distribution(small_vocab_model, kind):
   graphdef, params = nnx.split(small_vocab_model)
-  drafter, dparams = MTPDrafter.from_model(_mtp(MTPConfig(num_depths=2),
-                                                target_cfg=small_vocab_model.cfg))
+  drafter, dparams = SAMPLED_DRAFTERS[kind](small_vocab_model)
   engine = TreeEngine(SpeculativeEngine(graphdef, drafter=drafter,
                                         sampling=SamplingSpec(greedy=False)),
-                      drafter.tree_proposer(3), num_nodes=7, max_depth=2)
+                      drafter.tree_proposer(3), num_nodes=7, max_depth=drafter.num_draft)
   check_engine_samples_match_target(engine, small_vocab_model, params, dparams,
                                     [1, 5, 2, 7], temperature=1.0, num_samples=20_000,
                                     num_tokens=2, max_new_tokens=2 + 7)   # whole trees
