@@ -87,6 +87,7 @@ def decode_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   cfg.compare_ar = False
   cfg.verify_length = 'auto'  # auto: the load-aware controller picks it | fixed: num_draft
                               # | tree: a token tree per step (cfg.tree)
+                              # | auto_tree: the controller picks the tree's node budget
   cfg.controller = controller_config()   # its knobs (tiers capped at num_draft)
   cfg.tree = ml_collections.ConfigDict({'num_nodes': 32, 'top_k': 8})
   cfg.mesh = ''               # e.g. 'data=2,tensor=4'; '' = single device

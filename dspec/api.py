@@ -208,7 +208,8 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   `dspec.decoding.tree_proposers`: top-8 trees over one block pass for DFlash (per slot)
   and DFlash-2 (by its selector); EAGLE-2 dynamic trees for EAGLE-3, MTP and DSpark's
   Markov walk, sampled chains for those at T > 0; the most recent matches for n-gram; the
-  host-side suffix drafter has no tree mode).
+  host-side suffix drafter has no tree mode), or 'auto_tree' (the controller picks each
+  chunk's node budget from measured costs: trees of 2, 4, 8, 16 and 32 nodes, or AR).
   """
   if not isinstance(target, Target):
     raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')

@@ -68,6 +68,12 @@ def test_tree_verification_gives_the_ar_output(target, ar):
   assert traced.ids == ar.ids
   assert traced.trace['steps'] and all('tree' in s and 'accepted_path' in s
                                        for s in traced.trace['steps'])
+  auto = dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
+                        compare_ar=True, verify_length='auto_tree')   # node budget by cost
+  assert auto.ids == ar.ids and auto.metrics['verify_length'] == 'auto_tree'
+  assert auto.metrics['tier_steps'] and set(auto.metrics['tier_steps']) <= {0, 1, 3, 7, 15, 31}
+  with pytest.raises(ValueError, match='auto_tree records no trace'):
+    dspec.generate(target, PROMPTS, drafter=drafter, verify_length='auto_tree', trace=True)
 
 
 def test_numpy_ids_and_tuples_are_taken_as_they_are(target, ar):

@@ -27,6 +27,14 @@ the rebuilt drafter's state differs from the largest tier's (MTP caches one laye
 depth) the largest tier's drafter is used with its proposal truncated to γ
 (`TruncatedDrafter`). The drafter's `set_verify_cost` (DSpark's per-row verify lengths)
 gets λ(B) = `CostTable.verify_cost`, the marginal cost of one more verified draft.
+
+With a `TreeConfig` (verify_length 'auto_tree') the positive tiers are node budgets: tier g
+verifies a token tree of g drafted nodes (g + 1 with the anchor; `TreeEngine`, one compiled
+program per budget) on the full drafter, and accepts at most its depth min(g, num_draft)
+of them, which is what E and the payable test count; tier 0 is AR as above. Every tier is
+a verified step, so the output stays exact. The estimate's α_j is then the conditional
+acceptance at depth j of whatever was verified (the trees' accepted paths, shadow chains at
+tier 0), and each budget's realised ratio corrects its prediction.
 """
 
 from __future__ import annotations
@@ -49,43 +57,57 @@ from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, sh
 from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
+from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.sampling import SamplingSpec
 
 
 class VerifyLengthController:
   """Drop-in for a SpeculativeEngine in `runner.run_generation`: `prefill` then
   `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s).
-  With a mesh `placement` every tier's engine is a `ShardedEngine`."""
+  With a mesh `placement` every tier's engine is a `ShardedEngine`; with `tree` the
+  positive tiers are node budgets (module docstring; one device)."""
 
   adaptive = True   # the engine protocol: picks its verify length (`tier_steps`)
 
   def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
                cost_table: Optional[CostTable] = None, trace: bool = False,
-               placement=None):
+               placement=None, tree: Optional[TreeConfig] = None):
+    if tree is not None and (placement is not None or trace):
+      raise ValueError('verify_length=auto_tree runs on one device without --trace_json')
     self.config = config
     self.placement = placement
     self.drafter = drafter
+    self.tree = tree
     self.costs = cost_table or CostTable()
     tiers = {}
     for g in config.tiers:
-      d = tier_drafter(drafter, g)
+      d = drafter if tree and g else tier_drafter(drafter, g)
       if d is not None:
         tiers[g] = d
     if len(tiers) < 2 or 0 not in tiers:
       raise ValueError(f'controller: drafter {type(drafter).__name__} supports too few of '
                        f'the tiers {config.tiers} (need 0 and one positive tier)')
-    self.max_gamma = max(tiers)
+    # The most drafts a step can accept (a tree tier: its depth, at most num_draft).
+    self.max_gamma = drafter.num_draft if tree else max(tiers)
+    self.depths = {g: min(g, self.max_gamma) for g in tiers} if tree else {}
     def make(d):
       engine = SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
                                  stop_ids=stop_ids, trace=trace)
       return ShardedEngine(engine, placement) if placement else engine
 
     self._make = make
-    self._set_engines({g: self._make(d) for g, d in tiers.items()})
+    # The largest chain: prefill, shadow proposals (a tree tier drafts on its drafter).
+    self._chain = make(drafter) if tree else None
+    self._checked = tree is not None   # every tree tier keeps the full drafter's state
+    engines = {g: self._make(d) for g, d in tiers.items()}
+    if tree:
+      proposer = drafter.tree_proposer(tree.top_k)
+      engines.update({g: TreeEngine(self._chain, proposer, g + 1, max_depth=self.depths[g])
+                      for g in tiers if g})
+    self._set_engines(engines)
     self.last_trace = []
     self.row0_tiers = []    # the tier of each of row 0's verify steps (last `generate`)
-    self._checked = False
     self._probe_every = {}  # batch size -> tier-0 probe interval, kept across generations
     self._carried = {}      # batch size -> pooled (α_G, π) at the end of the last one
 
@@ -93,7 +115,7 @@ class VerifyLengthController:
     """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
     proposal of the largest tier."""
     self.engines = engines
-    shadow = jax.jit(functools.partial(shadow_proposal, engines[self.max_gamma]))
+    shadow = jax.jit(functools.partial(shadow_proposal, self._largest_chain))
     self._shadow = self._on_mesh(shadow)
     # No tier can pay at this batch size: plain AR steps, no taps and no drafter update
     # (nothing will be proposed for the rest of the generation).
@@ -116,6 +138,11 @@ class VerifyLengthController:
     return jax.device_put(x, self.placement.shardings(jax.sharding.PartitionSpec()))
 
   @property
+  def _largest_chain(self):
+    """The chain engine of the most drafts (a tree controller's own chain)."""
+    return self.engines[self.max_gamma] if self._chain is None else self._chain
+
+  @property
   def tiers(self) -> Tuple[int, ...]:
     return tuple(sorted(self.engines))
 
@@ -128,14 +155,14 @@ class VerifyLengthController:
     return self.engines[0].sampling
 
   def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
-    return self.engines[self.max_gamma].buffer_len(prompt_len, max_new_tokens)
+    return self._largest_chain.buffer_len(prompt_len, max_new_tokens)
 
   # --------------------------------------------------------------------- set-up
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
     """The largest tier's prefill, with stats wide enough for every tier."""
-    state = self.engines[self.max_gamma].prefill(target_params, drafter_params, prompt_BP,
-                                                 prompt_len_B, **kw)
+    state = self._largest_chain.prefill(target_params, drafter_params, prompt_BP,
+                                        prompt_len_B, **kw)
     if not self._checked:
       self._share_state(target_params, drafter_params, prompt_BP.shape, state)
     return state
@@ -185,7 +212,7 @@ class VerifyLengthController:
     """The table from the cache beside the XLA cache (`costs.cached_path`) when this
     model, drafter, shape and device were profiled before, else `profile` (and cached)."""
     path = None if distributed.active() else costs_lib.cached_path(
-        (self.drafter, self.tiers, self.sampling, self.config.profile_steps,
+        (self.drafter, self.tiers, self.tree, self.sampling, self.config.profile_steps,
          self.config.profile_repeats, self.placement and dict(self.placement.mesh.shape)),
         (target_params, drafter_params, state))
     if path and os.path.exists(path):
@@ -228,7 +255,8 @@ class VerifyLengthController:
     policy = PolicyState.start(
         self.config, self.costs, b, self.tiers, exact=exact,
         retrospective=self.drafter.proposes_from_tokens, carried=carried is not None,
-        live_B=~done, remaining_B=remaining(), probe_every=self._probe_every.get(b))
+        live_B=~done, remaining_B=remaining(), probe_every=self._probe_every.get(b),
+        depths=self.depths)
     proposing = reached[:, 0]   # steps that verified a draft at position 1
     row0_steps = steps_B[0]
     self.row0_tiers, trace = [], []
@@ -259,7 +287,7 @@ class VerifyLengthController:
       self.row0_tiers += [g] * int(steps_B[0] - row0_steps)
       row0_steps = steps_B[0]
       trace.append((g, steps, time.perf_counter() - t0))
-      estimate.observe(new_hist - hist, reached[:, 0] - proposing, g)
+      estimate.observe(new_hist - hist, reached[:, 0] - proposing, policy.depth(g))
       samples = 0
       if matched is not None:
         estimate.observe_shadow(*matched)

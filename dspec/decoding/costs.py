@@ -76,11 +76,13 @@ class CostTable:
     anchor_only = min(ar + self.propose.get(batch, 0.0), drafting)
     return float((1.0 - idle) * drafting + idle * anchor_only)
 
-  def payable(self, batch: int, tiers, margin: float) -> tuple:
+  def payable(self, batch: int, tiers, margin: float, depths=None) -> tuple:
     """Positive tiers that would beat AR by `margin` if every draft were accepted:
-    (γ+1)/cost(B, γ) >= (1 + margin) / cost(B, 0)."""
+    (d+1)/cost(B, γ) >= (1 + margin) / cost(B, 0), d = `depths[γ]` (a tree tier's depth;
+    else γ)."""
     floor = (1.0 + margin) / self[batch, 0]
-    return tuple(g for g in tiers if g and (g + 1) / self[batch, g] >= floor)
+    depth = lambda g: (depths or {}).get(g, g)
+    return tuple(g for g in tiers if g and (depth(g) + 1) / self[batch, g] >= floor)
 
   def verify_cost(self, batch: int, tiers) -> float:
     """λ(B) of cost(B, γ) ≈ c0·(1 + λ·γ): least squares over `tiers`, clipped at 0; tier 0

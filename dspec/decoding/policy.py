@@ -112,22 +112,33 @@ class PolicyState:
   chunk: int = 0                # ... and length
   shadowed: int = 0             # shadow samples seen (per row, at most)
   realised: Tuple[Tuple[int, float], ...] = ()   # tier -> EMA of realised / predicted
+  depths: Tuple[Tuple[int, int], ...] = ()      # tier -> drafts a step can accept (tree
+                                                # tiers: the tree's depth; else the tier)
 
   @classmethod
   def start(cls, config: ControllerConfig, costs, batch: int, tiers, *, exact: bool,
             retrospective: bool, carried: bool, live_B, remaining_B,
-            probe_every: Optional[int] = None) -> 'PolicyState':
-    """The state before a generation's first chunk (`costs` has this batch size)."""
-    payable = costs.payable(batch, tiers, config.margin)
+            probe_every: Optional[int] = None,
+            depths: Optional[Dict[int, int]] = None) -> 'PolicyState':
+    """The state before a generation's first chunk (`costs` has this batch size);
+    `depths`: tier -> drafts a step of it can accept, where that is not the tier (a tree
+    tier g verifies g drafted nodes, at most its depth of them on one path)."""
+    payable = costs.payable(batch, tiers, config.margin, depths)
     cheap = bool(payable) and exact and (retrospective or costs.propose[batch] <= (
         config.shadow_budget * config.steps_per_decision * costs[batch, 0]))
     return cls(config, batch, tuple(tiers), payable, exact, exact and retrospective, cheap,
                carried, np.asarray(live_B), np.asarray(remaining_B),
-               probe_every or config.probe_every, chunk=config.steps_per_decision)
+               probe_every or config.probe_every, chunk=config.steps_per_decision,
+               depths=tuple(sorted((depths or {}).items())))
+
+  def depth(self, g: int) -> int:
+    """Drafts a step at tier g can accept."""
+    return dict(self.depths).get(g, g)
 
   @property
   def max_gamma(self) -> int:
-    return max(self.tiers)
+    """The most drafts a step can accept (a shadow proposal's length)."""
+    return max(self.depth(g) for g in self.tiers)
 
   @property
   def shadow_probe(self) -> bool:
@@ -169,7 +180,7 @@ class Decision:
 def predicted_tokens(estimate, state: PolicyState) -> Dict[int, float]:
   """{tier: expected committed tokens per step}, each scaled by its realised ratio."""
   alpha, rate = estimate.conditional(), estimate.proposal_rate()
-  return {g: expected_tokens(alpha, g, state.live_B, state.remaining_B, rate) *
+  return {g: expected_tokens(alpha, state.depth(g), state.live_B, state.remaining_B, rate) *
           state.ratio(g) for g in state.tiers}
 
 
@@ -184,7 +195,7 @@ def scores(estimate, costs, state: PolicyState) -> Dict[int, float]:
     return {g: tokens[g] / cost[g] for g in state.tiers}
   out = {}
   for g in state.tiers:
-    per_step_B = row_tokens(alpha, g, rate) * state.ratio(g)
+    per_step_B = row_tokens(alpha, state.depth(g), rate) * state.ratio(g)
     steps = np.max(np.where(state.live_B, np.ceil(state.remaining_B / per_step_B), 0.0))
     out[g] = 1.0 / max(steps * cost[g], 1e-12)
   return out
@@ -232,7 +243,7 @@ def decide(estimate, costs, state: PolicyState) -> Decision:
     cap = min(cfg.max_steps_per_decision, int(cfg.chunk_seconds / costs[b, g]))
     chunk = max(min((4 if g == 0 else 2) * state.chunk, cap), cfg.steps_per_decision) \
         if grow else cfg.steps_per_decision
-  shadow = (state.cheap and g < state.max_gamma) or (probing and g == 0)
+  shadow = (state.cheap and state.depth(g) < state.max_gamma) or (probing and g == 0)
   # Plain AR when nothing will be proposed before the batch ends: no tier can pay, or
   # this tier-0 chunk runs to the end with no probe or shadow draft after it.
   plain_ar = not state.payable or (g == 0 and not state.cheap and chunk >= remaining)

@@ -35,7 +35,7 @@ from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.metrics import acceptance_metrics
 
 INT32_MAX = 2**31 - 1
-VERIFY_LENGTHS = ('auto', 'fixed', 'tree')
+VERIFY_LENGTHS = ('auto', 'fixed', 'tree', 'auto_tree')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +212,25 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   (and for AR or host-side drafters, whose 'auto' is the
   host loop's AR fallback, `host_fallback`) every step verifies the whole proposal; with
   'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
-  (`drafter.tree_proposer`) in one target pass."""
+  (`drafter.tree_proposer`) in one target pass; with 'auto_tree' the controller picks each
+  chunk's node budget: trees of g + 1 nodes for the tiers g < tree.num_nodes - 1 and
+  tree.num_nodes itself, or AR (tier 0)."""
   if verify_length not in VERIFY_LENGTHS:
     raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
   gamma = drafter.num_draft
-  if verify_length == 'tree':
+  if verify_length in ('tree', 'auto_tree'):
     if placement is not None or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
-      raise ValueError('verify_length=tree runs a device drafter on one device without '
-                       '--config.mesh (use fixed or auto for those)')
+      raise ValueError(f'verify_length={verify_length} runs a device drafter on one device '
+                       'without --config.mesh (use fixed or auto for those)')
+    if verify_length == 'auto_tree':
+      if trace:
+        raise ValueError('verify_length=auto_tree records no trace (--trace_json: use tree '
+                         'or auto)')
+      budgets = {g for g in controller.tiers if g < tree.num_nodes - 1}
+      return VerifyLengthController(
+          graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree,
+          config=dataclasses.replace(controller, tiers=tuple(sorted(
+              budgets | {tree.num_nodes - 1}))))
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
     return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
                       max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
@@ -294,9 +305,9 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       batch_size=int(prompt_BP.shape[0]), num_draft=int(drafter.num_draft),
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
-      verify_length=verify_length if verify_length == 'tree' else
+      verify_length=verify_length if 'tree' in verify_length else
       'auto' if engine.adaptive or fallback else 'fixed')
-  if verify_length == 'tree':   # target positions scored per verify step (anchor included)
+  if 'tree' in verify_length:   # target positions scored per verify step (anchor included)
     metrics['nodes_verified_per_step'] = float(
         (np.sum(state.stats.proposed_B) + np.sum(state.stats.steps_B)) /
         max(int(np.sum(state.stats.steps_B)), 1))

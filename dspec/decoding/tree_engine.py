@@ -207,7 +207,11 @@ class TreeEngine:
     return state.replace(trace=_programs(self)['trace_zeros'](max_steps, self.num_nodes,
                                                               self.max_depth))
 
-  def run(self, target_params, drafter_params, state, max_steps=None) -> DecodeState:
+  def run(self, target_params, drafter_params, state, max_steps=None,
+          force_wide: bool = False) -> DecodeState:
+    """Up to `max_steps` steps (None: to the end). `force_wide` (the controller's
+    profile) changes nothing: every step verifies all of its tree's nodes."""
+    del force_wide
     limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
     return _programs(self)['run'](target_params, drafter_params, state, limit)
 

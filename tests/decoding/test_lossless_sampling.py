@@ -19,6 +19,7 @@ from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.oracle import OracleDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.tree_engine import TreeConfig
 from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.verification import rejection_verify
 from lossless_checks import check_engine_samples_match_target, chi_square_pvalue, joint_counts
@@ -210,3 +211,28 @@ def test_controller_switching_tiers_is_lossless(small_vocab_model, name, drafter
                                     temperature=1.0, num_samples=rows, num_tokens=3)
   tiers = [g for g, _, _ in controller.last_trace]
   assert any(a == 0 and b > 0 for a, b in zip(tiers, tiers[1:])), tiers   # AR, then drafts
+
+
+# Every token is followed by three different tokens in the prompt: an n-gram tree branches.
+BRANCHING_PROMPT = [3, 4, 11, 9, 2, 7, 8, 0, 10, 1, 6, 5, 0, 11, 8, 10, 7, 5, 9, 1, 2, 3, 6,
+                    4, 0, 7, 9, 10, 3, 1, 4, 5, 6, 2, 8, 11]
+
+
+def test_controller_switching_node_budgets_is_lossless(small_vocab_model):
+  """verify_length=auto_tree at T=1: each generation verifies a 7-node n-gram trie, then
+  an AR step, then a 3-node trie (the cycle repeats); the 3-token joint and the first two
+  tokens' joint match the target's."""
+  graphdef, params = nnx.split(small_vocab_model)
+  rows = 20_000
+  costs = CostTable({(rows, g): 1.0 for g in (0, 2, 6)}, {rows: 0.0})
+  controller = _ScheduledController(
+      graphdef, NgramDrafter(num_draft=2, min_n=1, max_n=1),
+      sampling=SamplingSpec(greedy=False), tree=TreeConfig(num_nodes=7, top_k=3),
+      config=ControllerConfig(tiers=(0, 2, 6), steps_per_decision=1,
+                              max_steps_per_decision=1, probe_every=1, max_probe_every=1),
+      cost_table=costs, schedule=(6, 0, 2))
+  check_engine_samples_match_target(controller, small_vocab_model, params, None,
+                                    BRANCHING_PROMPT, temperature=1.0, num_samples=rows,
+                                    num_tokens=3, max_new_tokens=7)
+  first = [(g, n) for g, n, _ in controller.last_trace[:3]]
+  assert first == [(6, rows), (0, rows), (2, rows)], first   # every row ran each budget

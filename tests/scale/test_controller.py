@@ -27,6 +27,7 @@ from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.models.dspark import DSparkConfig, DSparkModel
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model
@@ -247,6 +248,28 @@ def test_tier0_to_the_end_runs_plain_ar(tiny_model, tiny_split, ar):
   assert generated_ids(state) == ar[0]
   assert [g for g, _, _ in controller.last_trace] == [0]
   jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.drafter_state))
+
+
+@pytest.mark.parametrize('per_node,expect_trees', [(0.0, True), (10.0, False)])
+def test_node_budgets_are_chosen_from_costs_and_stay_lossless(tiny_split, ar, per_node,
+                                                              expect_trees):
+  """verify_length=auto_tree: tiers are n-gram tries of 2, 4 and 8 nodes or AR. Free nodes: the controller verifies trees, and greedy output equals AR's; costly
+  nodes: it stays on AR (the never-slower floor)."""
+  tiers, b = (0, 1, 3, 7), len(PROMPTS)
+  costs = CostTable({(b, g): 1.0 + per_node * g for g in tiers}, {b: 0.0})
+  controller = VerifyLengthController(
+      tiny_split[0], NGRAM, config=ControllerConfig(tiers=tiers), cost_table=costs,
+      tree=TreeConfig(num_nodes=8, top_k=2))
+  assert all(isinstance(controller.engines[g], TreeEngine) for g in tiers[1:])
+  outs, state = _decode(controller, tiny_split[1], None)
+  assert outs == ar[0]
+  used = {g for g, n, _ in controller.last_trace if n}
+  if expect_trees:
+    assert used & {3, 7}, used
+    stats = jax.device_get(state.stats)
+    assert stats.accepted_B.sum() > 0   # tree paths were accepted
+  else:
+    assert used == {0}, used
 
 
 def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
