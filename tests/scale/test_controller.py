@@ -253,8 +253,9 @@ def test_tier0_to_the_end_runs_plain_ar(tiny_model, tiny_split, ar):
 @pytest.mark.parametrize('per_node,expect_trees', [(0.0, True), (10.0, False)])
 def test_node_budgets_are_chosen_from_costs_and_stay_lossless(tiny_split, ar, per_node,
                                                               expect_trees):
-  """verify_length=auto_tree: tiers are n-gram tries of 2, 4 and 8 nodes or AR. Free nodes: the controller verifies trees, and greedy output equals AR's; costly
-  nodes: it stays on AR (the never-slower floor)."""
+  """verify_length=auto_tree: tiers are n-gram tries of 2, 4 and 8 nodes or AR. Free
+  nodes: the controller verifies trees, and greedy output equals AR's; costly nodes: it
+  stays on AR (the never-slower floor)."""
   tiers, b = (0, 1, 3, 7), len(PROMPTS)
   costs = CostTable({(b, g): 1.0 + per_node * g for g in tiers}, {b: 0.0})
   controller = VerifyLengthController(
