@@ -73,8 +73,11 @@ class VerifyLengthController:
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
                cost_table: Optional[CostTable] = None, trace: bool = False,
                placement=None, tree: Optional[TreeConfig] = None):
-    if tree is not None and (placement is not None or trace):
-      raise ValueError('verify_length=auto_tree runs on one device without --trace_json')
+    if tree is not None and trace:
+      raise ValueError('verify_length=auto_tree records no trace (--trace_json: use tree or '
+                       'auto)')
+    if tree is not None and placement is not None:
+      raise ValueError('verify_length=auto_tree runs on one device (no --config.mesh)')
     self.config = config
     self.placement = placement
     self.drafter = drafter

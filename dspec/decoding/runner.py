@@ -223,12 +223,9 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
       raise ValueError(f'verify_length={verify_length} runs a device drafter on one device '
                        'without --config.mesh (use fixed or auto for those)')
     if verify_length == 'auto_tree':
-      if trace:
-        raise ValueError('verify_length=auto_tree records no trace (--trace_json: use tree '
-                         'or auto)')
       budgets = {g for g in controller.tiers if g < tree.num_nodes - 1}
       return VerifyLengthController(
-          graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree,
+          graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree, trace=trace,
           config=dataclasses.replace(controller, tiers=tuple(sorted(
               budgets | {tree.num_nodes - 1}))))
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
