@@ -1,7 +1,7 @@
 """DFlash-2 drafter for the demo target: the DFlash demo recipe plus the conv tail and the
 candidate selector (training.task = dflash2, `dspec/models/dflash2.py`).
 
-Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dflash2_demo.py:layers=1,steps=1500 \
       --workdir=runs/dflash2_demo
   python scripts/decode.py --config=configs/dflash2_demo.py --config.compare_ar=True

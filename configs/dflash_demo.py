@@ -1,6 +1,6 @@
 """DFlash drafter for the demo target: train it (DFlash or BD3-LM objective) and decode with it.
 
-Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dflash_demo.py --workdir=runs/dflash_demo
   python scripts/train.py --config=configs/dflash_demo.py:bd3lm --workdir=runs/bd3lm_demo
   python scripts/decode.py --config=configs/dflash_demo.py --config.compare_ar=True
@@ -13,7 +13,7 @@ Arguments: layers=N (draft layers, default 2), block=B (trained block, default 1
 deep (128 anchors per row, batch 4 rows, 4 epochs, WSD schedule, bf16 exports),
 anchors=N, batch=N, epochs=E (overrides; epochs sets steps from the demo's row count),
 vocab=N (reduced draft head over the N most frequent target-written tokens; 0 = full),
-steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), bd3lm (BD3-LM objective), tiny (random tiny target,
+steps=N, minutes=M (wall-clock cap), data=DIR (distilled data, default demo/distill_demo8k), bd3lm (BD3-LM objective), tiny (random tiny target,
 tiny drafter, B=4: for tests). Decode knobs: --config.drafters.dflash.num_draft (< the
 trained block; 0 = trained), .denoise_steps (1 = the reference single pass).
 Expected: training logs loss, acc1 and tau_est (greedy τ estimate on held-out blocks) and
@@ -29,7 +29,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, bd3lm=False, layers=2, block=16, steps=3000,
-                          minutes=0.0, vocab=0, data='runs/distill_demo8k',
+                          minutes=0.0, vocab=0, data='demo/distill_demo8k',
                           **common.BLOCK_RECIPE_ARGS)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'

@@ -1,6 +1,6 @@
 """DFlash vs BD3-LM objective on the frozen demo target: same drafter, data and batches.
 
-Command (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Command (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/sweep.py --config=configs/dflash_objectives.py --out_dir=runs/dflash_objectives
 Arguments: steps=N per variant (default 150), layers, vocab (as configs/dflash_demo.py).
 Both drafters are scored by the same held-out DFlash metric (random anchors, one pass:

@@ -1,7 +1,7 @@
 """DSpark drafter for the demo target: the DFlash backbone, anchor-first blocks, a Markov
 head and a confidence head (training.task = dspark, `dspec/models/dspark.py`).
 
-Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dspark_demo.py:layers=1,block=15,steps=1500 \
       --workdir=runs/dspark_demo   # the family's budget and DFlash's 15 drafts
   python scripts/train.py --config=configs/dspark_demo.py:deep,layers=5 \
@@ -13,7 +13,7 @@ Arguments: layers=N (draft layers, default 2), block=B (drafts per block, defaul
 with tiny), head=vanilla|gated|rnn (Markov head), rank=r (Markov rank, default 32, which
 keeps the demo drafter's size near DFlash's; 0 = none), deep, anchors=N, batch=N,
 epochs=E (the block drafters' recipe, as in configs/dflash_demo.py), steps=N, minutes=M
-(wall-clock cap), data=DIR (distilled data, default runs/distill_demo8k), tiny (random
+(wall-clock cap), data=DIR (distilled data, default demo/distill_demo8k), tiny (random
 tiny target, tiny drafter: for tests).
 Training knobs (--config.dspark.<key>): ce_weight / tv_weight / confidence_weight (0.1 /
 0.9 / 1.0), loss_gamma (0: 4 for B=7), enable_confidence_head, confidence_head_with_markov,
@@ -36,7 +36,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, layers=2, block=0, head='vanilla', rank=32,
-                          steps=3000, minutes=0.0, data='runs/distill_demo8k',
+                          steps=3000, minutes=0.0, data='demo/distill_demo8k',
                           **common.BLOCK_RECIPE_ARGS)
   block = args.block or (3 if args.tiny else 7)
   cfg = common.decode_config('demo')

@@ -1,6 +1,6 @@
 """EAGLE-3 drafter for the demo target: train it (training-time test) and decode with it.
 
-Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/eagle3_demo.py --workdir=runs/eagle3_demo
   # the family's (docs/RESULTS.md, "Training recipes"): the shared budget of 1500 steps, and a draft
   # vocabulary of 1/4 of the target's as published EAGLE-3 drafters use (32k of 128k)
@@ -12,7 +12,7 @@ directory) decodes the same way with --config.drafters.eagle3.path=<dir>.
 Arguments: layers=N (draft layers, default 1), ttt=K (training-time-test steps = the
 default draft length, default 7), vocab=N (reduced head over the N most frequent
 target-written tokens; 0 = full), steps=N, minutes=M (wall-clock cap), data=DIR
-(distilled data, default runs/distill_demo8k), soft (EAGLE-3's soft CE against the
+(distilled data, default demo/distill_demo8k), soft (EAGLE-3's soft CE against the
 target's distribution instead of the written token), tiny (random tiny target, K=3: for
 tests). Decode knobs: --config.drafters.eagle3.num_draft (0 = ttt), .sample_proposals.
 The data, batch, sequence length and step budget are those of configs/dflash_demo.py.
@@ -27,7 +27,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, soft=False, layers=1, ttt=7, steps=3000,
-                          minutes=0.0, vocab=0, data='runs/distill_demo8k')
+                          minutes=0.0, vocab=0, data='demo/distill_demo8k')
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'demo/target'

@@ -2,7 +2,7 @@
 
 Command (after demo/target and the distilled data exist, see configs/distill_demo.py):
   python scripts/sweep.py --config=configs/mtp_ablation.py --out_dir=runs/mtp_ablation
-Arguments: steps=N per variant (default 80), data=DIR (default runs/distill_demo8k),
+Arguments: steps=N per variant (default 80), data=DIR (default demo/distill_demo8k),
 tiny (random tiny target, 2 steps, 2 variants: for tests; pass --config.data.path).
 Expected: <out_dir>/results.md, one row per variant with held-out per-depth top-1
 agreement with the target (agree_d1..3) and tau_est, the greedy τ of a 3-token MTP draft
@@ -28,7 +28,7 @@ VARIANTS = (
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, tiny=False, steps=80, data='runs/distill_demo8k')
+  args = common.parse_arg(arg, tiny=False, steps=80, data='demo/distill_demo8k')
   cfg = mtp_demo.get_config('tiny' if args.tiny else f'steps={args.steps}')
   cfg.data.path = args.data
   t = cfg.training

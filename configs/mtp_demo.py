@@ -1,6 +1,6 @@
 """Chained MTP (DeepSeek-V3) drafter for the demo target: train it, then decode with it.
 
-Commands (after demo/target and runs/distill_demo8k exist, see configs/distill_demo.py):
+Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/mtp_demo.py --workdir=runs/mtp_demo
   python scripts/decode.py --config=configs/mtp_demo.py --config.compare_ar=True
   python scripts/decode.py --config=configs/mtp_demo.py --config.drafters.mtp.num_draft=1
@@ -36,7 +36,7 @@ from configs import common
 
 def get_config(arg=None):
   args = common.parse_arg(arg, tiny=False, joint=False, depths=3, beta=-1.0, steps=3000,
-                          minutes=0.0, data='runs/distill_demo8k', vocab=0)
+                          minutes=0.0, data='demo/distill_demo8k', vocab=0)
   cfg = common.decode_config('demo')
   cfg.model.source = 'checkpoint'
   cfg.model.path = 'runs/mtp_joint/final/target' if args.joint else 'demo/target'

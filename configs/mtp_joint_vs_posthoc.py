@@ -1,6 +1,6 @@
 """Joint vs post-hoc MTP, from the same demo target, at the same step budget and batch.
 
-Command (after demo/target and runs/distill_demo8k exist):
+Command (after demo/target and demo/distill_demo8k exist):
   python scripts/sweep.py --config=configs/mtp_joint_vs_posthoc.py --out_dir=runs/mtp_jvp
 Variants, each `steps` steps (default 40) starting from demo/target:
   target_only  the target trained further alone on its corpora (the control for the trunk);

@@ -1,7 +1,7 @@
 """Held-out teacher-forced per-slot acceptance and τ estimates of a learned drafter.
 
   python scripts/eval_drafter.py --kind=dflash2 --path=demo/dflash2 \
-      [--target=demo/target] [--data=runs/distill_demo8k] [--rows=64] \
+      [--target=demo/target] [--data=demo/distill_demo8k] [--rows=64] \
       [--out=runs/eval/dflash2.json] [--force]
 
 --kind is dflash, dflash2, dspark, eagle3 or mtp; --path a checkpoint of that family
@@ -37,7 +37,7 @@ _KIND = flags.DEFINE_enum('kind', None, list(KINDS), 'Drafter family.', required
 _PATH = flags.DEFINE_string('path', None, 'Drafter checkpoint.', required=True)
 _TARGET = flags.DEFINE_string('target', 'demo/target', 'The target (dspec checkpoint or '
                               'Hugging Face directory).')
-_DATA = flags.DEFINE_string('data', 'runs/distill_demo8k', 'Distilled dataset '
+_DATA = flags.DEFINE_string('data', 'demo/distill_demo8k', 'Distilled dataset '
                             '(scripts/distill.py) whose held-out rows are evaluated.')
 _ROWS = flags.DEFINE_integer('rows', 64, 'Most held-out rows to evaluate.')
 _OUT = flags.DEFINE_string('out', '', 'JSON file to write (optional).')

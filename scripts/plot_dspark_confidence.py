@@ -3,7 +3,7 @@ held-out rows of its distilled data (the rows `training.task=dspark` held out).
 
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       [--config.drafters.dspark.path=runs/dspark_demo/final] \
-      [--config.data.path=runs/distill_demo8k] --out=runs/dspark_demo/confidence.png
+      [--config.data.path=demo/distill_demo8k] --out=runs/dspark_demo/confidence.png
 
 Blocks are anchored as in training (`dspark.num_anchors` per row, teacher-forced prefix).
 For each slot k (draft k+1 of the block), over the valid blocks:

@@ -1,6 +1,6 @@
 """Write a token map: the N token ids the target writes most often in distilled data.
 
-  python scripts/token_map.py --data=runs/distill_demo8k --size=2048 \
+  python scripts/token_map.py --data=demo/distill_demo8k --size=2048 \
       --out=demo/token_map_2048.json [--force]
 
 The map is a JSON list of token ids (SGLang's `speculative_token_map`, FR-Spec). Decoding

@@ -218,7 +218,7 @@ def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) ->
     lengths = np.array([len(p) + len(o) for p, o in zip(shard_prompts, outputs)], np.int32)
     def write_shard(tmp):
       with open(tmp, 'wb') as f:
-        np.savez(f, tokens=tokens, loss_mask=loss_mask, lengths=lengths)
+        np.savez_compressed(f, tokens=tokens, loss_mask=loss_mask, lengths=lengths)
 
     write_atomic(os.path.join(out_dir, name), write_shard)
     manifest['shards'].append(name)
