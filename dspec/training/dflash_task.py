@@ -42,6 +42,7 @@ from dspec.models.dflash import BD3LMContextMask, DFlashConfig, DFlashModel, sav
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.draft_vocab import frequent_tokens
 from dspec.training.losses import token_cross_entropy
+from dspec.training.slot_acceptance import anchor_block_hidden, walk_metrics
 from dspec.sampling import top_k
 from dspec.training.trainer import TrainTask
 
@@ -79,27 +80,6 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, anchor_supervised: bool 
   big = cand_BA.shape[1] + 1
   anchors_BN = jnp.sort(jnp.where(top_BN >= 0, idx_BN, big), axis=-1)
   return jnp.where(anchors_BN == big, -1, anchors_BN).astype(jnp.int32)
-
-
-def anchor_block_hidden(drafter: DFlashModel, target, taps_BSND, tokens_BS, anchors_BN):
-  """(post-norm hidden [B, N, b, D] of the blocks [token_a, MASK×(b−1)] at positions
-  a..a+b−1 (b = the trained block) over the fused target context before each anchor a,
-  positions [B, N, b]): one pass for every anchor, as at decode (anchor −1: invalid)."""
-  cfg = drafter.cfg
-  big_b = cfg.block_size
-  b, s = tokens_BS.shape
-  n = anchors_BN.shape[1]
-  k_K = jnp.arange(big_b, dtype=jnp.int32)
-  pos_BNK = anchors_BN[..., None] + k_K
-  anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
-  block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
-  context_BSD = drafter.fuse(taps_BSND, target)
-  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-  ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
-  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
-                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
-                       anchors_BN, block_size=big_b)
-  return hidden_BQD.reshape(b, n, big_b, -1), pos_BNK
 
 
 def dflash_terms(drafter: DFlashModel, target, taps_BSND, tokens_BS, loss_mask_BS,
@@ -343,7 +323,8 @@ def build_task(cfg, workdir: str) -> TrainTask:
                                     anchors_BN, gamma))
 
   def evaluate(model, target) -> dict:
-    """DFlash-style held-out metrics (same for both objectives, so they compare)."""
+    """DFlash-style held-out metrics (same for both objectives, so they compare) and the
+    decode walk's τ."""
     total = None
     bs = tcfg.batch_size
     for i in range(0, len(held_tokens), bs):
@@ -353,7 +334,8 @@ def build_task(cfg, workdir: str) -> TrainTask:
       chunk_m = np.pad(chunk_m, ((0, short), (0, 0)))
       sums = eval_sums(model, target, chunk_t, chunk_m, jax.random.key(i))
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-    return {k: float(v) for k, v in dflash_metrics(total).items()}
+    return {**{k: float(v) for k, v in dflash_metrics(total).items()},
+            **walk_metrics(model, target, held_tokens, held_mask)}
 
   trained_on = checkpoint.target_record(target, cfg.model)
 

@@ -43,8 +43,9 @@ from flax import nnx
 from dspec import checkpoint
 from dspec.models.dflash import save_dflash
 from dspec.models.dspark import DSparkConfig, DSparkModel
-from dspec.training.dflash_task import anchor_block_hidden, loss_gamma, sample_anchors
+from dspec.training.dflash_task import loss_gamma, sample_anchors
 from dspec.training.losses import token_cross_entropy
+from dspec.training.slot_acceptance import anchor_block_hidden, walk_metrics
 from dspec.training.trainer import TrainTask
 
 _TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 161)
@@ -301,10 +302,12 @@ def build_task(cfg, workdir: str) -> TrainTask:
             for mode, key in (('sampled', 'alpha'), ('greedy', 'agree'))}
 
   def evaluate(model, target) -> dict:
-    """Held-out metrics; with the confidence head also the calibration errors (ECE of the
-    sampled and the greedy prefix survival, before and after temperature scaling)."""
+    """Held-out metrics and the decode walk's τ; with the confidence head also the
+    calibration errors (ECE of the sampled and the greedy prefix survival, before and
+    after temperature scaling)."""
     total, arrays = held_out(model, target)
     m = {k: float(v) for k, v in dspark_metrics(total, **weights).items()}
+    m.update(walk_metrics(model, target, held_tokens, held_mask))
     if 'conf' in arrays and len(arrays['conf']):
       for mode, report in calibrations(arrays).items():
         prefix = '' if mode == 'sampled' else 'greedy_'

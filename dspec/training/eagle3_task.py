@@ -26,6 +26,7 @@ from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.mtp import shifted
 from dspec.training.distill import fit_rows, split_distilled
 from dspec.training.losses import token_cross_entropy
+from dspec.training import slot_acceptance
 from dspec.training.trainer import TrainTask
 
 
@@ -140,7 +141,8 @@ def make_task(cfg, target, tokens, loss_mask) -> TrainTask:
                        np.pad(chunk_m, ((0, short), (0, 0))))
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
       batches += 1
-    return {k: float(v) for k, v in eagle3_metrics(total, steps, batches).items()}
+    return {**{k: float(v) for k, v in eagle3_metrics(total, steps, batches).items()},
+            **slot_acceptance.walk_metrics(model, target, held_tokens, held_mask)}
 
   def loss_fn(model, target, batch, key):
     return eagle3_loss(model, target, batch, key, steps=steps, decay=decay,

@@ -39,6 +39,7 @@ from dspec.models.draft_vocab import frequent_tokens
 from dspec.models.mtp import MTP, MTPConfig, save_mtp, shifted
 from dspec.training.distill import split_distilled
 from dspec.training.losses import masked_mean, token_cross_entropy
+from dspec.training import slot_acceptance
 from dspec.training.trainer import TrainTask
 
 
@@ -238,7 +239,11 @@ def posthoc_task(target, mtp_cfg: MTPConfig, data: dict, tcfg,
         'mtp.draft_vocab_size'))
   mtp = MTP(mtp_cfg, target.cfg, rngs=nnx.Rngs(tcfg.seed))
   weights = depth_weights(mtp_cfg.num_depths, tcfg.mtp_beta)
-  evaluate = _evaluator(_chunks(rows.held_tokens, rows.held_mask, tcfg.batch_size))
+  on_chunks = _evaluator(_chunks(rows.held_tokens, rows.held_mask, tcfg.batch_size))
+
+  def evaluate(mtp, target) -> dict:
+    return {**on_chunks(mtp, target),
+            **slot_acceptance.walk_metrics(mtp, target, rows.held_tokens, rows.held_mask)}
 
   def get_batch(step: int) -> dict:
     return rows.batch(step, tcfg.seed, tcfg.batch_size)

@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspec.models.dflash import DFlashModel
 from dspec.models.dflash2 import DFlash2Model, propose_block
 from dspec.models.dspark import DSparkModel
 from dspec.models.eagle3 import Eagle3Model
 from dspec.models.mtp import MTP
-from dspec.training.dflash_task import anchor_block_hidden
 
 KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
 ANCHORS_PER_CALL = 32
+WALK_ROWS = 32    # held-out rows of the trainers' periodic walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,27 @@ class SlotTable:
             'conditional': self.conditional.tolist(), 'start_hit': self.start_hit.tolist(),
             'marginal': self.marginal.tolist(), 'reached': self.reached_K.tolist(),
             'passed': self.passed_K.tolist()}
+
+
+def anchor_block_hidden(drafter: DFlashModel, target, taps_BSND, tokens_BS, anchors_BN):
+  """(post-norm hidden [B, N, b, D] of the blocks [token_a, MASK×(b−1)] at positions
+  a..a+b−1 (b = the trained block) over the fused target context before each anchor a,
+  positions [B, N, b]): one pass for every anchor, as at decode (anchor −1: invalid)."""
+  cfg = drafter.cfg
+  big_b = cfg.block_size
+  b, s = tokens_BS.shape
+  n = anchors_BN.shape[1]
+  k_K = jnp.arange(big_b, dtype=jnp.int32)
+  pos_BNK = anchors_BN[..., None] + k_K
+  anchor_tok_BN = jnp.take_along_axis(tokens_BS, jnp.maximum(anchors_BN, 0), axis=1)
+  block_BNK = jnp.where(k_K == 0, anchor_tok_BN[..., None], cfg.mask_token_id)
+  context_BSD = drafter.fuse(taps_BSND, target)
+  ctx_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+  ctx_k, ctx_v = drafter.context_kv(context_BSD, ctx_pos_BS)
+  hidden_BQD = drafter(target.embed(block_BNK.reshape(b, n * big_b)),
+                       pos_BNK.reshape(b, n * big_b), ctx_k, ctx_v, cfg.train_masks(s),
+                       anchors_BN, block_size=big_b)
+  return hidden_BQD.reshape(b, n, big_b, -1), pos_BNK
 
 
 def kind_of(drafter) -> str:
@@ -238,3 +260,11 @@ def slot_table(drafter, target, tokens_RS, loss_mask_RS) -> SlotTable:
   if not hits:
     raise ValueError('the rows have no target-written tokens to evaluate')
   return SlotTable.from_hits(np.concatenate(hits), np.concatenate(valids), steps, committed)
+
+
+def walk_metrics(drafter, target, tokens_RS, loss_mask_RS, rows: int = WALK_ROWS) -> dict:
+  """The trainers' decode-faithful eval over the first `rows` held-out rows: `walk_tau`
+  (tokens per step of a T = 0 decode of the rows' prompts, fixed verification) beside
+  `anchor_tau` (every anchor alike, as `tau_est` but over every anchor of the rows)."""
+  table = slot_table(drafter, target, tokens_RS[:rows], loss_mask_RS[:rows])
+  return {'walk_tau': table.walk_tau, 'anchor_tau': table.tau}

@@ -6,6 +6,7 @@ continuation of PROMPT, in the self-distilled data format.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -204,6 +205,7 @@ def ragged_run(toy):
 
 def test_trained_on_a_toy_sequence_drafts_it(toy, ragged_run):
   assert toy['result']['eval']['acc1'] > 0.95
+  assert toy['result']['eval']['walk_tau'] > 2.0   # the decode walk, beside the estimate
   _, outs, state = ragged_run
   assert outs[0] == toy['continuation']
   accepted, proposed = int(state.stats.accepted_B[0]), int(state.stats.proposed_B[0])
@@ -260,6 +262,30 @@ def test_tier0_steps_record_and_sync_catches_up(toy):
     cached, fresh = _cached_and_fresh(drafter, toy['target'], toy['dparams'],
                                       state.tokens_BL, state.num_tokens_B, synced.cache)
     np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_the_block_is_whole_whatever_the_budget_left(toy, ragged_run):
+  """Decoding drafts as training did: the block keeps all its keys when one token is left
+  (block attention is bidirectional, so a shorter block changes every slot). z-lab's
+  shrinking block (`shrink_block`) is what differs."""
+  drafter, target, state = toy['drafter'], toy['target'], ragged_run[2]
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def hidden(d, dparams, dstate, remaining):
+    ctx = DraftContext(state.tokens_BL, state.num_tokens_B,
+                       remaining_B=jnp.full((2,), remaining, jnp.int32))
+    masks_BG = jnp.full((2, d.num_draft), d.config.mask_token_id, jnp.int32)
+    return d.block_hidden(nnx.merge(d.graphdef, dparams), dstate.cache, target, ctx,
+                          masks_BG)
+
+  full = hidden(drafter, toy['dparams'], state.drafter_state, 99)
+  np.testing.assert_array_equal(hidden(drafter, toy['dparams'], state.drafter_state, 1),
+                                full)
+  shrinking = dataclasses.replace(drafter, shrink_block=True)
+  np.testing.assert_allclose(hidden(shrinking, toy['dparams'], state.drafter_state, 99),
+                             full, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(hidden(shrinking, toy['dparams'], state.drafter_state, 1), full,
+                         atol=1e-3)
 
 
 def test_controller_tiers_score_only_their_prefix(toy, ragged_run):

@@ -2,9 +2,10 @@
 
 A random HF Qwen3 target and random z-lab DFlash / DFlash-2 drafters are saved with
 `save_pretrained`; dspec loads both directories (`dspec.load_target`, `load_drafter`) and
-decodes with a fixed verify length. Against `dflash_generate` on the same prompt: the same
-output ids, the same `acceptance_lengths`, and the same drafted block at every step (dspec's
-trace against the blocks z-lab's target verified).
+decodes with a fixed verify length and z-lab's shrinking block (`shrink_block=True`; dspec's
+default drafts the whole block, as trained). Against `dflash_generate` on the same prompt:
+the same output ids, the same `acceptance_lengths`, and the same drafted block at every step
+(dspec's trace against the blocks z-lab's target verified).
 """
 
 import pytest
@@ -89,7 +90,7 @@ def test_dspec_follows_dflash_generate_step_for_step(target, name, monkeypatch):
   model = cls.from_pretrained(str(root / name)).eval()
   ids, lengths, blocks = _zlab_run(model, hf, prompt)
 
-  drafter = dspec.load_drafter('dflash', str(root / name), target=ours)
+  drafter = dspec.load_drafter('dflash', str(root / name), target=ours, shrink_block=True)
   out = dspec.generate(ours, [prompt], drafter=drafter, max_new_tokens=NEW_TOKENS,
                        verify_length='fixed', trace=True)
   assert out.ids[0] == ids

@@ -9,8 +9,11 @@ cached; block K/V are recomputed every round, so rollback is rewinding lengths.
            anchor, the prefill's token).
   propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 attends to the cached
            context and to the block (per-layer masks: bidirectional, causal or sliding, as
-           the checkpoint says); near the end of the budget only the first remaining + 1
-           block keys exist (z-lab's shrinking block). DFlash: argmax over slots 1..b−1,
+           the checkpoint says). The block is always whole, as in training (block attention
+           is bidirectional, so a shorter block changes every slot's draft); the engine
+           verifies only what the budget allows. `shrink_block` keeps z-lab's
+           `dflash_generate` instead: near the end of the budget only the first
+           remaining + 1 block keys exist. DFlash: argmax over slots 1..b−1,
            q = None. DFlash-2: the candidate selector's left-to-right walk (argmax at
            T = 0; at T > 0 sampled, with its q over the K candidates).
   update   appends the context K/V of the verify positions start..start+γ (the committed
@@ -75,6 +78,7 @@ class DFlashDrafter(DrafterBase):
   target_cfg: TransformerConfig
   num_draft: int
   denoise_steps: int = 1
+  shrink_block: bool = False  # z-lab's block of min(b, remaining + 1) keys near the end
   catch_up_width: int = 32    # positions per catch-up trip after tier-0 stretches
 
   def __post_init__(self):
@@ -95,11 +99,12 @@ class DFlashDrafter(DrafterBase):
 
   @classmethod
   def create(cls, model: dflash_model.DFlashModel, num_draft: int = 0,
-             denoise_steps: int = 1) -> Tuple["DFlashDrafter", Any]:
+             denoise_steps: int = 1,
+             shrink_block: bool = False) -> Tuple["DFlashDrafter", Any]:
     """(drafter, params); num_draft 0 means the trained block size - 1."""
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.cfg, model.target_cfg,
-               num_draft or model.cfg.block_size - 1, denoise_steps), params
+               num_draft or model.cfg.block_size - 1, denoise_steps, shrink_block), params
 
   @property
   def block_size(self) -> int:
@@ -221,11 +226,14 @@ class DFlashDrafter(DrafterBase):
   def block_hidden(self, model: dflash_model.DFlashModel, cache: KVCache, target, ctx,
                    drafts_BG):
     """The drafter's post-norm hidden [B, b−1, D] of slots 1..b−1 for the block
-    [anchor, drafts_BG]; only the first min(b, remaining + 1) block keys exist."""
+    [anchor, drafts_BG]: the whole block, or with `shrink_block` only its first
+    min(b, remaining + 1) keys."""
     anchor_pos_B = ctx.num_tokens_B - 1
     block_BT = jnp.concatenate([self._anchor(ctx)[:, None], drafts_BG], axis=1)
     positions_BT = anchor_pos_B[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)
-    block_len_B = jnp.clip(ctx.remaining_B + 1, 1, self.block_size)
+    block_len_B = jnp.full_like(anchor_pos_B, self.block_size)
+    if self.shrink_block:
+      block_len_B = jnp.clip(ctx.remaining_B + 1, 1, self.block_size)
     offsets_B2 = jnp.stack([cache.lengths_B, block_len_B], axis=-1)
     hidden_BTD = model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
                        model.cfg.draft_masks(self.block_size), offsets_B2)
@@ -246,4 +254,5 @@ def build(cfg, target) -> Tuple[DFlashDrafter, Any]:
   c = cfg.drafters.dflash
   model = load_dflash(checkpoint_path(cfg, 'dflash'), attention_impl=c.attention_impl,
                       num_target_layers=target.cfg.num_layers)
-  return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps)
+  return DFlashDrafter.create(model, num_draft=c.num_draft, denoise_steps=c.denoise_steps,
+                              shrink_block=c.shrink_block)

@@ -7,8 +7,9 @@ and the features recorded at tier 0; `init` / `update` / `idle_update` / `sync` 
 `drafters/dflash.py`'s) and the verify cost λ as a traced scalar.
 
 propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = num_draft; slot k
-         drafts the token at anchor+k+1). Near the end of the budget only the first
-         `remaining` block keys exist (the shrinking block). The Markov walk picks each
+         drafts the token at anchor+k+1), always the whole block, as in training
+         (`shrink_block`: z-lab's shrinking block, only the first `remaining` keys near
+         the end of the budget); a row verifies at most `remaining` drafts. The Markov walk picks each
          slot's token from its biased logits (argmax at T = 0; at T > 0 a sample, with
          q = the processed biased distribution for rejection sampling) and the confidence
          head scores it; the row then verifies only its first n_r drafts.
@@ -108,11 +109,13 @@ class DSparkDrafter(DFlashDrafter):
 
   @classmethod
   def create(cls, model: dspark_model.DSparkModel, num_draft: int = 0,
-             verify_cost: float = 0.1, verify_budget: int = 0) -> Tuple["DSparkDrafter", Any]:
+             verify_cost: float = 0.1, verify_budget: int = 0,
+             shrink_block: bool = False) -> Tuple["DSparkDrafter", Any]:
     """(drafter, params); num_draft 0 means the trained block size."""
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.cfg, model.target_cfg, num_draft or model.cfg.block_size,
-               verify_cost=verify_cost, verify_budget=verify_budget), params
+               shrink_block=shrink_block, verify_cost=verify_cost,
+               verify_budget=verify_budget), params
 
   @property
   def block_size(self) -> int:
@@ -139,34 +142,35 @@ class DSparkDrafter(DFlashDrafter):
 
   def propose(self, params, state, target, ctx, key):
     model = nnx.merge(self.graphdef, params)
-    walk, block_len_B = self.draft(model, state.cache, target, ctx, key)
-    n_B = block_len_B
+    walk = self.draft(model, state.cache, target, ctx, key)
+    n_B = jnp.clip(ctx.remaining_B, 1, self.block_size).astype(jnp.int32)
     if walk.conf_logits_BG is not None:
       greedy = ctx.sampling is None or ctx.sampling.greedy
-      n_B = verify_lengths(model.survival(walk.conf_logits_BG, greedy), block_len_B,
+      n_B = verify_lengths(model.survival(walk.conf_logits_BG, greedy), n_B,
                            state.verify_cost, self.verify_budget)
     return Proposal(walk.tokens_BG, n_B, walk.q_BGV)
 
   def draft(self, model: dspark_model.DSparkModel, cache, target, ctx, key):
-    """(the Markov walk over the block, block length [B])."""
-    hidden_BTD, block_len_B = self._block_hidden(model, cache, target, ctx)
-    walk = model.walk(target, hidden_BTD, self._anchor(ctx), sampling=ctx.sampling,
+    """The Markov walk over the block."""
+    hidden_BTD = self._block_hidden(model, cache, target, ctx)
+    return model.walk(target, hidden_BTD, self._anchor(ctx), sampling=ctx.sampling,
                       temperature=ctx.temperature, top_p=ctx.top_p, key=key)
-    return walk, block_len_B
 
   def _block_hidden(self, model: dspark_model.DSparkModel, cache, target, ctx):
-    """(the block's hidden [B, b, D], block length [B]): only the first min(b, remaining)
-    block keys exist."""
+    """The block's hidden [B, b, D]: the whole block, or with `shrink_block` only its
+    first min(b, remaining) keys."""
     b = self.block_size
     anchor_B = self._anchor(ctx)
     anchor_pos_B = ctx.num_tokens_B - 1
     block_BT = jnp.full((anchor_B.shape[0], b), self.config.mask_token_id, jnp.int32)
     block_BT = block_BT.at[:, 0].set(anchor_B)
     positions_BT = anchor_pos_B[:, None] + jnp.arange(b, dtype=jnp.int32)
-    block_len_B = jnp.clip(ctx.remaining_B, 1, b).astype(jnp.int32)
+    block_len_B = jnp.full_like(anchor_pos_B, b)
+    if self.shrink_block:
+      block_len_B = jnp.clip(ctx.remaining_B, 1, b).astype(jnp.int32)
     offsets_B2 = jnp.stack([cache.lengths_B, block_len_B], axis=-1)
     return model(target.embed(block_BT), positions_BT, cache.k_LBSKD, cache.v_LBSKD,
-                 model.cfg.draft_masks(b), offsets_B2), block_len_B
+                 model.cfg.draft_masks(b), offsets_B2)
 
   def tree_proposer(self, top_k: int):
     """Beam trees over the Markov walk (`grow_tree`), EAGLE-2's as for EAGLE-3."""
@@ -176,7 +180,7 @@ class DSparkDrafter(DFlashDrafter):
     """Expands `grower` through `depth` slots of one block pass: slot k's logits plus the
     Markov head's bias given each beam node's own path (its token and recurrent state)."""
     model = nnx.merge(self.graphdef, params)
-    hidden_BTD, _ = self._block_hidden(model, state.cache, target, ctx)
+    hidden_BTD = self._block_hidden(model, state.cache, target, ctx)
     base_BGV = model.draft_logits(target, hidden_BTD).astype(jnp.float32)
     head = model.markov_head
     b = base_BGV.shape[0]
@@ -204,4 +208,4 @@ def build(cfg, target) -> Tuple[DSparkDrafter, Any]:
   model = load_dspark(checkpoint_path(cfg, 'dspark'), attention_impl=c.attention_impl,
                       num_target_layers=target.cfg.num_layers)
   return DSparkDrafter.create(model, num_draft=c.num_draft, verify_cost=c.verify_cost,
-                              verify_budget=c.verify_budget)
+                              verify_budget=c.verify_budget, shrink_block=c.shrink_block)

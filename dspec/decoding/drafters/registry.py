@@ -36,9 +36,10 @@ DEFAULTS = {
     'oracle': {'num_draft': 8, 'acceptance': [0.8]},
     'self': {'num_draft': 4},
     'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False, 'token_map': ''},
-    'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'attention_impl': 'xla'},
-    'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
+    'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'shrink_block': False,
                'attention_impl': 'xla'},
+    'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
+               'shrink_block': False, 'attention_impl': 'xla'},
     'eagle3': {'path': '', 'num_draft': 0, 'sample_proposals': True},
 }
 
