@@ -60,6 +60,7 @@ def model_config(preset: str) -> ml_collections.ConfigDict:
       'seed': 0,
       'max_seq_len': 4096,    # prompt + max_new_tokens must fit
       'shape': dict(MODEL_PRESETS[preset]),
+      'widen_mlp': 1,         # > 1: MLPs that many times wider, same tokens (models/widen)
   })
 
 

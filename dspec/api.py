@@ -151,15 +151,18 @@ class Generation:
   trace: Optional[dict] = None
 
 
-def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096) -> Target:
+def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096,
+                widen_mlp: int = 1) -> Target:
   """A dspec target checkpoint or a Hugging Face Llama/Qwen3 directory (detected), with its
-  tokenizer (from `tokenizer_dir`, else the model directory, else bytes)."""
+  tokenizer (from `tokenizer_dir`, else the model directory, else bytes). `widen_mlp` > 1:
+  its MLPs that many times wider, writing the same tokens (`dspec.models.widen`)."""
   path = _path('path', path)
   tokenizer_dir = _path('tokenizer_dir', tokenizer_dir, optional=True)
   max_seq_len = _int('max_seq_len', max_seq_len, 2)
+  widen_mlp = _int('widen_mlp', widen_mlp, 1)
   model_cfg = ml_collections.ConfigDict({
       'source': loading.target_source(path), 'path': path, 'tokenizer_dir': tokenizer_dir,
-      'seed': 0, 'max_seq_len': max_seq_len, 'shape': {}})
+      'seed': 0, 'max_seq_len': max_seq_len, 'shape': {}, 'widen_mlp': widen_mlp})
   model, tokenizer, max_seq_len = loading.build_target(model_cfg)
   return Target(model, tokenizer, max_seq_len)
 
@@ -217,9 +220,7 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f'drafter must come from dspec.load_drafter (or be None), got '
                      f'{type(drafter).__name__}')
-  if verify_length not in runner.VERIFY_LENGTHS:
-    raise ValueError(f'verify_length must be one of {runner.VERIFY_LENGTHS}, got '
-                     f'{verify_length!r}')
+  runner.check_verify_length(verify_length)
   settings = runner.Settings(
       max_new_tokens=_int('max_new_tokens', max_new_tokens, 1, INT32_MAX // 2),
       temperature=_float('temperature', temperature, 0.0),

@@ -34,6 +34,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from dspec.config_checks import check_stored_config
+from dspec.errors import UserError
 from dspec.pytrees import key_name
 
 FORMAT_VERSION = 1
@@ -108,8 +110,7 @@ def params_sha256(tree) -> str:
 def weights_fingerprint(model: nnx.Module, sample: int = 4096) -> str:
   """A fingerprint of a module's parameters that is cheap at any size: SHA-256 over each
   leaf's name, shape and up to `sample` evenly strided values cast to float32 (so weights
-  held in float32 or bfloat16 agree: bf16 -> f32 is exact). Drafter checkpoints record
-  their target's as `extra.target_sha256`."""
+  held in float32 or bfloat16 agree: bf16 -> f32 is exact)."""
   digest = hashlib.sha256()
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for name, leaf in sorted(leaf_paths(params).items()):
@@ -120,10 +121,17 @@ def weights_fingerprint(model: nnx.Module, sample: int = 4096) -> str:
   return digest.hexdigest()
 
 
+def target_fingerprint(target: nnx.Module) -> str:
+  """The fingerprint drafter checkpoints record of their target (`extra.target_sha256`):
+  its `weights_fingerprint`, except that a target widened by `models/widen.py` (the same
+  function, hence the same tokens) gives the one of the model it was widened from."""
+  return getattr(target, 'widened_from', None) or weights_fingerprint(target)
+
+
 def target_record(target: nnx.Module, model_cfg) -> dict:
   """What a drafter checkpoint records of the target it was trained against (its
-  `extra`): the weights fingerprint and where the target came from."""
-  return {'target_sha256': weights_fingerprint(target),
+  `extra`): the target's fingerprint and where the target came from."""
+  return {'target_sha256': target_fingerprint(target),
           'target_source': f'{model_cfg.source}:{model_cfg.path}' if model_cfg.path
                            else model_cfg.source}
 
@@ -138,7 +146,7 @@ def check_target_record(path, target: nnx.Module) -> Optional[str]:
   recorded = extra.get('target_sha256')
   if not recorded:
     return None
-  actual = weights_fingerprint(target)
+  actual = target_fingerprint(target)
   if recorded == actual:
     return None
   return (f'{path} was trained against the target {extra.get("target_source", "?")} '
@@ -397,10 +405,12 @@ def save_model(path, model: nnx.Module, *, kind: str, config: dict,
   """Saves a module's `nnx.Param`s (floats cast to `storage_dtype`) with its config.
 
   `kind` names the model family ('target', 'mtp', 'dflash', ...) and is checked on load.
-  Weights that are not finite (NaN or Inf, also after the cast) raise CheckpointError.
+  Weights that are not finite (NaN or Inf, also after the cast) and config numbers that
+  loading would refuse (`read_model_metadata`) raise CheckpointError.
   """
   if storage_dtype not in STORAGE_DTYPES:
     raise ValueError(f'storage_dtype must be one of {STORAGE_DTYPES}, got {storage_dtype!r}')
+  _check_config_numbers(path, config, 'refusing to save:')
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = jax.tree.map(
       lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -446,11 +456,22 @@ def read_model_kind(path) -> Optional[str]:
 
 
 def read_model_metadata(path, kind: str) -> dict:
-  """Validated metadata of a `save_model` checkpoint of `kind` (reads no arrays)."""
+  """Validated metadata of a `save_model` checkpoint of `kind` (reads no arrays): every
+  number of its config finite and in range (`config_checks.check_stored_config`)."""
   path = _as_path(path)
   metadata, _ = _split_checksums(_read_metadata(path))
   _check_model_metadata(path, metadata, kind)
+  _check_config_numbers(path, metadata.get('config'), 'bad metadata:')
   return metadata
+
+
+def _check_config_numbers(path, config, what: str) -> None:
+  """CheckpointError naming `path` and the field unless every number of `config` is
+  finite and in range (`config_checks.check_stored_config`)."""
+  try:
+    check_stored_config(config, 'config.')
+  except UserError as e:
+    raise CheckpointError(f'{path}: {what} {e}') from None
 
 
 def read_train_step(path) -> int:

@@ -7,6 +7,7 @@ must fit int32 (they end up in int32 device arrays or numpy seeds); floats must 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -57,6 +58,7 @@ def check_decode_config(cfg) -> None:
   check_int(cfg.max_new_tokens, 'max_new_tokens', 1)
   check_int(cfg.batch_size, 'batch_size', 1)
   check_int(cfg.model.max_seq_len, 'model.max_seq_len', 2)
+  check_int(cfg.model.get('widen_mlp', 1), 'model.widen_mlp', 1)
   if cfg.get('timing_repeats') is not None:
     check_int(cfg.timing_repeats, 'timing_repeats', 0)
   if cfg.get('prompt_index') is not None:
@@ -122,6 +124,46 @@ def check_distill_config(cfg) -> None:
   for name, limit in dcfg.prompt_sets.items():
     if limit is not None:
       check_int(limit, f'distill.prompt_sets.{name}')
+
+
+# The numbers of a stored model config (a dspec checkpoint's metadata `config`, a model's
+# config.json) with a range, by field name in either form; every other number in one must
+# be finite. A corrupt or hand-edited value is refused, not run: NaN confidence
+# temperatures switch DSpark's verify rule off, a negative eps makes every norm NaN.
+_POSITIVE = functools.partial(check_float, low=0.0, low_open=True)
+_EPS = functools.partial(check_float, low=0.0, high=1.0, low_open=True, high_open=True)
+STORED_CONFIG_RANGES = {
+    'rope_theta': _POSITIVE,
+    'norm_eps': _EPS, 'rms_norm_eps': _EPS,
+    'input_embedding_scale': _POSITIVE, 'output_multiplier': _POSITIVE,
+    'confidence_temperatures': _POSITIVE, 'greedy_confidence_temperatures': _POSITIVE,
+    'dspec_confidence_temperatures': _POSITIVE,
+    'dspec_greedy_confidence_temperatures': _POSITIVE,
+    'block_size': functools.partial(check_int, low=2),
+    'mask_token_id': check_int,
+}
+
+
+def check_stored_config(config, prefix: str = '') -> None:
+  """UserError naming the field (dotted path, list index) of the first number in `config`
+  (a JSON value read from a model's files) that is not finite or is out of its range
+  (`STORED_CONFIG_RANGES`); the caller names the file."""
+
+  def walk(node, path, check):
+    if isinstance(node, dict):
+      for key, value in node.items():
+        walk(value, f'{path}.{key}' if path else str(key), STORED_CONFIG_RANGES.get(key))
+    elif isinstance(node, (list, tuple)):
+      for i, value in enumerate(node):
+        walk(value, f'{path}[{i}]', check)
+    elif isinstance(node, bool) or not isinstance(node, (int, float)):
+      return
+    elif check is not None:
+      check(node, prefix + path)
+    elif isinstance(node, float):
+      check_float(node, prefix + path)
+
+  walk(config, '', None)
 
 
 # Config fields that were renamed (draft lengths before `num_draft` became the one knob) or

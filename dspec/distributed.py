@@ -28,9 +28,11 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from dspec.config_checks import check_float
 from dspec.errors import UserError
 
 DEFAULT_TIMEOUT_S = 120          # connecting: the coordinator, then every process joining
+MAX_TIMEOUT_S = (2 ** 31 - 1) / 1000   # 2**31 - 1 ms (24 days): fits every runtime timeout
 HEARTBEAT_TIMEOUT_S = 60         # a silent process is declared dead after this long
 SHUTDOWN_TIMEOUT_S = 30          # the exit barrier waits this long for the others
 
@@ -64,8 +66,11 @@ def parse_coordinator(address: str) -> tuple:
 
 
 def check_arguments(coordinator: Optional[str], num_processes: Optional[int],
-                    process_id: Optional[int]) -> None:
-  """ValueError naming the flag when the three are not given together or out of range."""
+                    process_id: Optional[int],
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """ValueError naming the flag when the three are not given together or out of range, or
+  when the timeout is not a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+  check_float(timeout_s, '--distributed_timeout', 0.0, MAX_TIMEOUT_S, low_open=True)
   given = {'--coordinator': coordinator, '--num_processes': num_processes,
            '--process_id': process_id}
   missing = [name for name, value in given.items() if value is None]
@@ -150,7 +155,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
   devices use gloo collectives. Connecting is bounded by `timeout_s`; a failure is one
   `error:` line (UserError, or a runtime abort rewritten to one line).
   """
-  check_arguments(coordinator, num_processes, process_id)
+  check_arguments(coordinator, num_processes, process_id, timeout_s)
   if jax.distributed.is_initialized():
     raise UserError('jax.distributed is already initialized in this process')
   if jax.config.jax_cpu_collectives_implementation in (None, 'none'):

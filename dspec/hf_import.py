@@ -17,6 +17,8 @@ import os
 from flax import nnx
 
 from dspec.checkpoint import leaf_paths
+from dspec.config_checks import check_stored_config
+from dspec.errors import UserError
 from dspec.models.config import TransformerConfig
 from dspec.models.formats.hf_config import config_from_hf
 from dspec.models.formats.safetensors_io import read_params, tensor_files
@@ -41,7 +43,8 @@ def _ignorable(hf_name: str, cfg: TransformerConfig) -> bool:
 
 
 def read_hf_config(hf_dir) -> dict:
-  """The parsed `config.json` of a HF model directory."""
+  """The parsed `config.json` of a HF model directory (its numbers finite and in range:
+  `config_checks.check_stored_config`)."""
   hf_dir = os.fspath(hf_dir)
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(f'{hf_dir}: no such model directory')
@@ -57,6 +60,10 @@ def read_hf_config(hf_dir) -> dict:
     raise ValueError(f'{path}: cannot be read ({e.strerror or e})') from None
   if not isinstance(config, dict):
     raise ValueError(f'{path}: must hold a JSON object, got {type(config).__name__}')
+  try:
+    check_stored_config(config)
+  except UserError as e:
+    raise ValueError(f'{path}: {e}') from None
   return config
 
 

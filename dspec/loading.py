@@ -11,6 +11,7 @@ from flax import nnx
 from dspec import checkpoint, sharding
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
+from dspec.models.widen import widen_mlp
 from dspec.tokenizer import IdsOnlyTokenizer, declared_eos_ids, load_tokenizer
 
 
@@ -67,7 +68,8 @@ def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
   """(Transformer, tokenizer, max_seq_len) from a config's `model` section.
 
   source: random (shape, seed) | checkpoint (a dspec checkpoint at path) | hf (a Hugging
-  Face Llama/Qwen3 directory at path). The tokenizer: `target_tokenizer`. With a
+  Face Llama/Qwen3 directory at path). The tokenizer: `target_tokenizer`. `widen_mlp`
+  (default 1) > 1 widens the MLPs that many times, same tokens (`models/widen.py`). With a
   `placement`, params live on its mesh (random init: created already sharded).
   """
   source = model_cfg.source
@@ -85,6 +87,7 @@ def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
   else:
     raise ValueError(f'unknown model.source {source!r}; use random, checkpoint or hf')
   tokenizer = target_tokenizer(model_cfg, target.cfg.vocab_size, metadata)
-  if placement and source != 'random':
-    sharding.place_module(target, placement.for_model(target.cfg))
-  return target, tokenizer, model_cfg.max_seq_len
+  wide = widen_mlp(target, model_cfg.get('widen_mlp', 1))
+  if placement and (source != 'random' or wide is not target):
+    sharding.place_module(wide, placement.for_model(wide.cfg))
+  return wide, tokenizer, model_cfg.max_seq_len

@@ -58,6 +58,8 @@ def main(argv):
   from dspec import datasets
   from dspec.decoding import runner
   from dspec.decoding.tree_engine import TreeConfig
+  trees = [TreeConfig(num_nodes=nodes, top_k=top_k)   # each checked before anything loads
+           for nodes, top_k in shapes]
   target = dspec.load_target(_TARGET.value)
   prompts = [p for name in DATASETS
              for p in datasets.load_prompts(name, 'data', _NUM_PROMPTS.value)]
@@ -75,9 +77,9 @@ def main(argv):
       chain_tau = decode('fixed')['tau']
       row = {'drafter': kind, 'path': path, 'T': temperature, 'chain_tau': chain_tau,
              'trees': {}}
-      for nodes, top_k in shapes:
-        m = decode('tree', TreeConfig(num_nodes=nodes, top_k=top_k))
-        row['trees'][f'{nodes}x{top_k}'] = {
+      for tree in trees:
+        m = decode('tree', tree)
+        row['trees'][f'{tree.num_nodes}x{tree.top_k}'] = {
             'tau': m['tau'], 'gain': m['tau'] / chain_tau,
             'nodes_verified_per_step': m['nodes_verified_per_step']}
       print(json.dumps(row), flush=True)

@@ -14,6 +14,7 @@ nothing is left behind.
 
 import argparse
 import atexit
+import math
 import os
 import signal
 import socket
@@ -61,8 +62,10 @@ def _parse(argv):
     _fail(f'-n must be >= 1, got {args.num_processes}')
   if args.devices_per_process < 0:
     _fail(f'--devices_per_process must be >= 0, got {args.devices_per_process}')
-  if args.timeout <= 0 or args.grace < 0:
-    _fail('--timeout must be > 0 and --grace >= 0')
+  if not (math.isfinite(args.timeout) and args.timeout > 0):   # NaN or inf: no bound
+    _fail(f'--timeout must be a finite number of seconds > 0, got {args.timeout}')
+  if not (math.isfinite(args.grace) and args.grace >= 0):
+    _fail(f'--grace must be a finite number of seconds >= 0, got {args.grace}')
   return args, command
 
 

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -402,6 +403,38 @@ def decode_cases() -> list:
         setup=with_ckpt(), message='target'),
       d('dflash_path_missing', '--config.drafter=dflash',
         '--config.drafters.dflash.path=/nonexistent', message='/nonexistent'),
+      # controller and tree knobs: each in its range, checked before anything loads
+      d('controller_profile_repeats_zero', '--config.drafter=ngram',
+        '--config.controller.profile_repeats=0', message='controller.profile_repeats'),
+      d('controller_profile_steps_zero', '--config.drafter=ngram',
+        '--config.controller.profile_steps=0', message='controller.profile_steps'),
+      d('controller_chunk_seconds_nan', '--config.controller.chunk_seconds=nan',
+        message='controller.chunk_seconds'),
+      d('controller_margin_negative', '--config.controller.margin=-1',
+        message='controller.margin'),
+      d('controller_prior_weight_inf', '--config.controller.prior_weight=inf',
+        message='controller.prior_weight'),
+      d('controller_probe_every_above_max', '--config.controller.probe_every=1024',
+        message='controller.max_probe_every'),
+      d('controller_shadow_warmup_negative', '--config.controller.shadow_warmup=-1',
+        message='controller.shadow_warmup'),
+      d('controller_host_walk_tail_zero', '--config.controller.host_walk_tail=0',
+        message='controller.host_walk_tail'),
+      d('controller_tiers_without_ar', '--config.controller.tiers=(1,3)',
+        message='controller.tiers'),
+      d('tree_top_k_huge', '--config.drafter=ngram', '--config.verify_length=tree',
+        '--config.tree.top_k=1000000000', message='tree.top_k'),
+      d('tree_num_nodes_huge', '--config.drafter=ngram', '--config.verify_length=tree',
+        '--config.tree.num_nodes=100000', message='tree.num_nodes'),
+      d('tree_ignores_dflash_denoise_steps', '--config.drafter=dflash',
+        '--config.drafters.dflash.path=demo/dflash', '--config.verify_length=tree',
+        '--config.drafters.dflash.denoise_steps=2', message='dflash.denoise_steps'),
+      d('auto_tree_ignores_dspark_verify_budget', '--config.drafter=dspark',
+        '--config.drafters.dspark.path=demo/dspark', '--config.verify_length=auto_tree',
+        '--config.drafters.dspark.verify_budget=3', message='dspark.verify_budget'),
+      d('distributed_timeout_nan', '--coordinator=127.0.0.1:9', '--num_processes=2',
+        '--process_id=1', '--distributed_timeout=nan', message='--distributed_timeout',
+        timeout=120),
       # checkpoints
       d('checkpoint_missing', '--config.model.source=checkpoint',
         '--config.model.path=/nonexistent/ckpt', message='/nonexistent/ckpt'),
@@ -434,6 +467,10 @@ def decode_cases() -> list:
         setup=with_ckpt(edit_metadata(lambda m: m['config'].update(num_heads=0)))),
       d('checkpoint_vocab_text', *ckpt, message='vocab_size',
         setup=with_ckpt(edit_metadata(lambda m: m['config'].update(vocab_size='abc')))),
+      d('checkpoint_rope_theta_nan', *ckpt, message='config.rope_theta',
+        setup=with_ckpt(edit_metadata(lambda m: m['config'].update(rope_theta=math.nan)))),
+      d('checkpoint_norm_eps_negative', *ckpt, message='config.norm_eps',
+        setup=with_ckpt(edit_metadata(lambda m: m['config'].update(norm_eps=-1e-6)))),
       d('checkpoint_wrong_kind', *ckpt, message='mtp',
         setup=with_ckpt(edit_metadata(lambda m: m.update(kind='mtp')))),
       d('checkpoint_future_version', *ckpt, message='version',
@@ -460,6 +497,8 @@ def decode_cases() -> list:
         setup=hf_setup(hf_config(num_attention_heads=0))),
       d('hf_zero_kv_heads', *hf, message='num_key_value_heads',
         setup=hf_setup(hf_config(num_key_value_heads=0))),
+      d('hf_rms_norm_eps_above_one', *hf, message='rms_norm_eps',
+        setup=hf_setup(hf_config(rms_norm_eps=2.0))),
       d('hf_safetensors_missing', *hf, message='safetensors',
         setup=hf_setup(lambda h: os.remove(os.path.join(h, 'model.safetensors')))),
       d('hf_safetensors_truncated', *hf, message='safetensors',

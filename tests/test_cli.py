@@ -70,6 +70,7 @@ BAD_INPUTS = {
     'negative_temperature': (['--config.temperature=-0.5'], 'temperature'),
     'top_p_zero': (['--config.top_p=0'], 'top_p'),
     'top_p_above_one': (['--config.top_p=1.5'], 'top_p'),
+    'widen_mlp_zero': (['--config.model.widen_mlp=0'], 'model.widen_mlp must be in [1, '),
     'unknown_config_key': (['--config.bogus=1'], 'unknown config field bogus'),
     'wrong_config_type': (['--config.max_new_tokens=many'], 'max_new_tokens'),
     'unknown_drafter': (['--config.drafter=bogus'], 'unknown drafter'),

@@ -4,9 +4,12 @@ and NaN never passes silently.
 
 Sections follow the issues: data loss, silently wrong, tracebacks; then issue 39's classes:
 the output-path policy, API argument validation, config errors, errors naming their file,
-locks and manifests. The full red-team sweep is `python scripts/redteam.py`, not a test.
+locks and manifests; then knob ranges and stored numbers (controller, tree and multi-process
+knobs, drafter settings a tree ignores, numbers in a model's files). The full red-team sweep
+is `python scripts/redteam.py`, not a test.
 """
 
+import dataclasses
 import glob
 import json
 import math
@@ -777,3 +780,217 @@ def test_a_manifest_without_shards_from_a_killed_run_restarts(tmp_path):
       'fingerprint': 'other settings', 'shards': ['shard_00000.npz'], 'complete': False})
   with pytest.raises(ValueError, match='other settings'):
     distill._open_manifest(str(tmp_path), 'these settings', {}, 3, 0.0)
+
+
+# ============================================== round 4: knob ranges and stored numbers
+# Every knob has a range, checked with the others before anything loads or compiles; a
+# setting a mode does not honour is refused by name; numbers read from a model's files
+# are finite and in range; multi-process waits are bounded.
+
+_BAD_CONTROLLER_KNOBS = [
+    (dict(tiers=(1, 3)), 'controller.tiers must be sorted, distinct and start at 0'),
+    (dict(tiers=(0, 2.5)), 'controller.tiers must be an integer, got 2.5'),
+    (dict(steps_per_decision=0), r'controller.steps_per_decision must be in \[1,'),
+    (dict(max_steps_per_decision=10 ** 9), r'controller.max_steps_per_decision must be in'),
+    (dict(chunk_seconds=math.nan), 'controller.chunk_seconds must be a finite number'),
+    (dict(chunk_seconds=0.0), r'controller.chunk_seconds must be in \(0'),
+    (dict(margin=-0.5), r'controller.margin must be in \[0'),
+    (dict(objective='fast'), 'controller.objective must be makespan or throughput'),
+    (dict(ema=math.inf), 'controller.ema must be a finite number'),
+    (dict(prior=0.0), r'controller.prior must be in \(0, 1\]'),
+    (dict(prior_weight=0.0), r'controller.prior_weight must be in \(0'),
+    (dict(probe_every=64, max_probe_every=32),
+     'controller.probe_every=64 must be <= controller.max_probe_every=32'),
+    (dict(max_probe_every=-1), r'controller.max_probe_every must be in \[1,'),
+    (dict(shadow_probes='yes'), 'controller.shadow_probes must be True or False'),
+    (dict(profile_steps=0), r'controller.profile_steps must be in \[1,'),
+    (dict(profile_repeats=0), r'controller.profile_repeats must be in \[1,'),
+    (dict(shadow_budget=math.nan), 'controller.shadow_budget must be a finite number'),
+    (dict(shadow_warmup=-1), r'controller.shadow_warmup must be in \[0,'),
+    (dict(host_patience=0), r'controller.host_patience must be in \[1,'),
+    (dict(host_chunk=8, host_max_chunk=4),
+     'controller.host_chunk=8 must be <= controller.host_max_chunk=4'),
+    (dict(host_walk_tail=0), r'controller.host_walk_tail must be in \[1,'),
+]
+
+
+@pytest.mark.parametrize('knobs, message', _BAD_CONTROLLER_KNOBS)
+def test_every_controller_knob_has_a_range(knobs, message):
+  from dspec.decoding.policy import ControllerConfig
+  tried = {name for cases, _ in _BAD_CONTROLLER_KNOBS for name in cases}
+  assert tried == {f.name for f in dataclasses.fields(ControllerConfig)}   # a case each
+  with pytest.raises(cli.UserError, match=message):
+    ControllerConfig(**knobs)
+  with pytest.raises(cli.UserError, match=message):   # --config.controller.<knob>
+    ControllerConfig.from_config(dict(dataclasses.asdict(ControllerConfig()), **knobs))
+
+
+@pytest.mark.parametrize('tree, message', [
+    (dict(top_k=10 ** 9), 'tree.top_k=1000000000 must be <= tree.num_nodes=32'),
+    (dict(num_nodes=8, top_k=9), 'tree.top_k=9 must be <= tree.num_nodes=8'),
+    (dict(num_nodes=2.5), 'tree.num_nodes must be an integer, got 2.5'),
+    (dict(top_k=math.nan), 'tree.top_k must be an integer, got nan'),
+    (dict(nodes=8), r"tree: unknown knobs \['nodes'\]"),
+])
+def test_tree_knobs_are_bounded(tree, message):
+  from dspec.decoding.tree_engine import TreeConfig
+  with pytest.raises(cli.UserError, match=message):
+    TreeConfig.from_config(tree)
+
+
+def _block_drafter(kind, **fields):
+  """A DFlash or DSpark drafter with no weights (enough to build engines, not to run)."""
+  from dspec.decoding.drafters.dflash import DFlashDrafter
+  from dspec.decoding.drafters.dspark import DSparkDrafter
+  from dspec.models.dflash import DFlashConfig
+  from dspec.models.dspark import DSparkConfig
+  if kind == 'dflash':
+    return DFlashDrafter(None, DFlashConfig.create(TINY.num_layers, 1, 5, 0), TINY, 4,
+                         **fields)
+  return DSparkDrafter(None, DSparkConfig.create(TINY.num_layers, 1, 4, 0, markov_rank=8),
+                       TINY, 4, **fields)
+
+
+@pytest.mark.parametrize('kind, fields, verify_length, message', [
+    ('dflash', dict(denoise_steps=2), 'tree', 'drafters.dflash.denoise_steps=2'),
+    ('dspark', dict(verify_budget=3), 'auto_tree', 'drafters.dspark.verify_budget=3'),
+    ('dspark', dict(verify_cost=0.5, verify_budget=2), 'tree',
+     'drafters.dspark.verify_budget=2, drafters.dspark.verify_cost=0.5: leave them'),
+])
+def test_tree_modes_refuse_drafter_settings_they_ignore(kind, fields, verify_length,
+                                                        message):
+  from dspec.decoding import runner
+  from dspec.sampling import SamplingSpec
+  build = lambda drafter, mode: runner.speculative_engine(None, drafter, SamplingSpec(), (),
+                                                          verify_length=mode)
+  with pytest.raises(cli.UserError, match=f'verify_length={verify_length} does not honour '
+                     f'{message}'):
+    build(_block_drafter(kind, **fields), verify_length)
+  build(_block_drafter(kind, **fields), 'fixed')      # honoured there
+  build(_block_drafter(kind), verify_length)          # the defaults are what trees do
+
+
+@pytest.mark.parametrize('setting, message', [
+    (('controller', 'profile_repeats', 0), r'controller.profile_repeats must be in \[1,'),
+    (('controller', 'chunk_seconds', math.nan), 'controller.chunk_seconds must be a fin'),
+    (('tree', 'top_k', 10 ** 9), 'tree.top_k=1000000000 must be <='),
+    (('drafters.dflash', 'denoise_steps', 3), 'not honour drafters.dflash.denoise_steps=3'),
+    (('', 'verify_length', 'fast'), 'verify_length must be one of'),
+])
+def test_the_decode_job_checks_every_knob_before_loading(setting, message):
+  """The target and drafter paths do not exist: an error about them means the knob was
+  checked only after loading began (or not at all)."""
+  from dspec.decoding import runner
+  cfg = common.decode_config('tiny')
+  cfg.model.update(source='checkpoint', path='/nonexistent/target')
+  cfg.drafters.dflash.path = '/nonexistent/dflash'
+  cfg.update(drafter='dflash', verify_length='tree')
+  section, name, value = setting
+  node = cfg
+  for part in filter(None, section.split('.')):
+    node = node[part]
+  node[name] = value
+  with pytest.raises(cli.UserError, match=message):
+    runner.run_decode(cfg)
+
+
+def _edit_metadata(path, edit):
+  meta = os.path.join(path, 'metadata', 'metadata')
+  with open(meta) as f:
+    data = json.load(f)
+  edit(data['config'])
+  with open(meta, 'w') as f:
+    json.dump(data, f)
+
+
+@pytest.mark.parametrize('edit, message', [
+    (lambda c: c.update(rope_theta=math.nan), 'config.rope_theta must be a finite number'),
+    (lambda c: c.update(norm_eps=-1e-6), r'config.norm_eps must be in \(0, 1\)'),
+    (lambda c: c.update(embed_dim=math.inf), 'config.embed_dim must be a finite number'),
+])
+def test_stored_target_config_numbers_are_checked(tmp_path, tiny_target, edit, message):
+  path = tmp_path / 'ckpt'
+  _save_target(path, tiny_target)
+  _edit_metadata(path, edit)
+  where = re.escape(str(path))
+  with pytest.raises(CheckpointError, match=f'{where}: bad metadata: {message}'):
+    checkpoint.read_model_metadata(path, 'target')
+
+
+def test_stored_drafter_config_numbers_are_checked_on_save_and_load(tmp_path):
+  """A DSpark config whose calibration holds a NaN (which would switch its verify rule
+  off): refused when saved, and when read from a damaged checkpoint."""
+  temperatures = [1.0, math.nan, 1.0, 1.0]
+  config = {'dspark': {'block_size': 4, 'confidence_temperatures': temperatures},
+            'target': TINY.to_dict()}
+  with pytest.raises(CheckpointError, match=r'refusing to save: config.dspark.'
+                     r'confidence_temperatures\[1\] must be a finite number, got nan'):
+    checkpoint.save_model(tmp_path / 'nan', _Toy(), kind='dspark', config=config)
+  assert not (tmp_path / 'nan').exists()
+  temperatures[1] = 2.0
+  checkpoint.save_model(tmp_path / 'ok', _Toy(), kind='dspark', config=config)
+  checkpoint.read_model_metadata(tmp_path / 'ok', 'dspark')
+  for value, message in [(-1.0, r'must be in \(0'), (math.inf, 'must be a finite number')]:
+    _edit_metadata(tmp_path / 'ok',
+                   lambda c: c['dspark']['confidence_temperatures'].__setitem__(1, value))
+    with pytest.raises(CheckpointError, match=rf'confidence_temperatures\[1\] {message}'):
+      checkpoint.read_model_metadata(tmp_path / 'ok', 'dspark')
+  _edit_metadata(tmp_path / 'ok', lambda c: c['dspark'].update(block_size=1))
+  with pytest.raises(CheckpointError, match=r'config.dspark.block_size must be in \[2,'):
+    checkpoint.read_model_metadata(tmp_path / 'ok', 'dspark')
+
+
+@pytest.mark.parametrize('text, message', [
+    ('{"dspec_confidence_temperatures": [1.0, NaN]}',
+     r'dspec_confidence_temperatures\[1\] must be a finite number, got nan'),
+    ('{"transformer_layer_config": {"rms_norm_eps": -1e-6}}',
+     r'transformer_layer_config.rms_norm_eps must be in \(0, 1\)'),
+    ('{"rope_theta": 1e999}', 'rope_theta must be a finite number, got inf'),
+    ('{"dflash_config": {"mask_token_id": -1}}',
+     r'dflash_config.mask_token_id must be in \[0,'),
+    ('{"initializer_range": Infinity}', 'initializer_range must be a finite number'),
+])
+def test_config_json_numbers_are_checked_naming_the_file(tmp_path, text, message):
+  from dspec.models.formats.drafter_dir import FormatError, read_json
+  (tmp_path / 'config.json').write_text(text)
+  where = re.escape(str(tmp_path / 'config.json'))
+  with pytest.raises(FormatError, match=f'{where}: {message}'):
+    read_json(str(tmp_path / 'config.json'))
+  with pytest.raises(ValueError, match=f'{where}: {message}'):
+    read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize('timeout', [math.nan, math.inf, 0.0, -5.0, 1e12])
+def test_distributed_timeout_must_be_a_finite_bounded_wait(timeout):
+  """A NaN or infinite timeout retried the coordinator forever."""
+  from dspec import distributed
+  with pytest.raises(cli.UserError, match='--distributed_timeout must be'):
+    distributed.check_arguments('127.0.0.1:1', 2, 1, timeout)
+  distributed.check_arguments('127.0.0.1:1', 2, 1, 4.0)
+
+
+@pytest.mark.parametrize('flag', ['--timeout=nan', '--timeout=inf', '--grace=nan',
+                                  '--grace=inf', '--grace=-1'])
+def test_launch_local_refuses_unbounded_waits(flag, capsys, monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, 'scripts'))
+  import launch_local   # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as exit_info:
+    launch_local._parse(['-n', '2', flag, '--', os.path.join(REPO_ROOT, 'scripts',
+                                                            'decode.py')])
+  assert exit_info.value.code == 2
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert len(errors) == 1, errors
+  name = flag.split('=')[0]
+  assert errors[0].startswith(f'error: {name} must be a finite number'), errors
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config=configs/tiny.py', '--config.controller.profile_repeats=0'],
+     'controller.profile_repeats must be in [1,'),
+    (['--config=configs/tiny.py', '--coordinator=127.0.0.1:9', '--num_processes=2',
+      '--process_id=1', '--distributed_timeout=nan'],
+     '--distributed_timeout must be a finite number, got nan'),
+])
+def test_bad_knobs_are_one_error_line_from_decode(args, message):
+  rc, _, stderr = _run_script('decode.py', *args, timeout=120)
+  _one_error_line(rc, stderr, message)

@@ -28,17 +28,83 @@ commits, and whether it runs plain AR steps (no proposals, no taps, no drafter u
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from dspec.config_checks import check_float, check_int
 from dspec.decoding.estimate import expected_tokens, row_tokens
+from dspec.errors import UserError
+
+
+# The most steps any step-count knob may ask for (a chunk, a probe interval, a profiling
+# run): far past where a longer chunk amortises anything, and small enough that the
+# buffers sized by it (`retrospective_match`'s [B, width] samples) stay small.
+MAX_STEPS = 2 ** 16
+MAX_PROFILE_REPEATS = 100   # timed rounds over every tier before the first generation
+
+
+def _check_tiers(tiers, name: str) -> Tuple[int, ...]:
+  """`tiers` as a tuple of ints: sorted, distinct, from 0 (AR: the tier every controller
+  falls back to)."""
+  if not isinstance(tiers, (list, tuple)) or not tiers:
+    raise UserError(f'{name} must be a non-empty tuple of verify lengths, got {tiers!r}')
+  tiers = tuple(check_int(g, name) for g in tiers)
+  if sorted(set(tiers)) != list(tiers) or tiers[0] != 0:
+    raise UserError(f'{name} must be sorted, distinct and start at 0 (AR), got {tiers}')
+  return tiers
+
+
+def _check_objective(value, name: str) -> str:
+  if value not in ('makespan', 'throughput'):
+    raise UserError(f'{name} must be makespan or throughput, got {value!r}')
+  return value
+
+
+def _check_bool(value, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise UserError(f'{name} must be True or False, got {value!r}')
+  return bool(value)
+
+
+_STEPS = functools.partial(check_int, low=1, high=MAX_STEPS)
+_POSITIVE = functools.partial(check_float, low=0.0, low_open=True)
+# Each knob's check: check(value, 'controller.<knob>') -> the value (4.0 -> 4), or a
+# UserError naming the knob. `ControllerConfig` runs every knob's, so a knob without one
+# fails at import.
+_CHECKS = {
+    'tiers': _check_tiers,
+    'steps_per_decision': _STEPS,
+    'max_steps_per_decision': _STEPS,
+    'chunk_seconds': _POSITIVE,
+    'margin': functools.partial(check_float, low=0.0),
+    'objective': _check_objective,
+    'ema': functools.partial(check_float, low=0.0, high=1.0, high_open=True),
+    'prior': functools.partial(check_float, low=0.0, high=1.0, low_open=True),
+    'prior_weight': _POSITIVE,   # 0 leaves the estimate 0 / 0 before any evidence
+    'probe_every': _STEPS,
+    'max_probe_every': _STEPS,
+    'shadow_probes': _check_bool,
+    'profile_steps': _STEPS,
+    'profile_repeats': functools.partial(check_int, low=1, high=MAX_PROFILE_REPEATS),
+    'shadow_budget': functools.partial(check_float, low=0.0),
+    'shadow_warmup': functools.partial(check_int, low=0, high=MAX_STEPS),
+    'host_patience': _STEPS,
+    'host_chunk': _STEPS,
+    'host_max_chunk': _STEPS,
+    'host_walk_tail': _STEPS,
+}
+# Knobs that bound another: (knob, bound) with knob <= bound.
+_ORDERED = (('steps_per_decision', 'max_steps_per_decision'),
+            ('probe_every', 'max_probe_every'), ('host_chunk', 'host_max_chunk'))
 
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
   """Every knob of the verify-length policy (`--config.controller.*`; hashable). The
-  runner keeps the `tiers` below the drafter's num_draft, and adds num_draft."""
+  runner keeps the `tiers` below the drafter's num_draft, and adds num_draft. Built only
+  with every knob in its range (`_CHECKS`) and consistent (UserError naming the knob)."""
 
   tiers: Tuple[int, ...] = (0, 1, 3, 7, 15)
   steps_per_decision: int = 4       # steps per decision (one host sync each)
@@ -65,30 +131,20 @@ class ControllerConfig:
   @classmethod
   def from_config(cls, cfg) -> 'ControllerConfig':
     """From a config's `controller` section (a mapping of these fields)."""
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    unknown = sorted(set(cfg) - set(fields))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg) - fields)
     if unknown:
-      raise ValueError(f'controller: unknown knobs {unknown} (known: {sorted(fields)})')
-    values = dict(cfg)
-    if 'tiers' in values:
-      values['tiers'] = tuple(int(g) for g in values['tiers'])
-    return cls(**values)
+      raise UserError(f'controller: unknown knobs {unknown} (known: {sorted(fields)})')
+    return cls(**dict(cfg))
 
   def __post_init__(self):
-    if not self.tiers or sorted(set(self.tiers)) != list(self.tiers) or self.tiers[0] < 0:
-      raise ValueError(f'controller tiers must be sorted, distinct and >= 0, got {self.tiers}')
-    if not 0.0 <= self.ema < 1.0 or not 0.0 < self.prior <= 1.0:
-      raise ValueError(f'controller needs 0 <= ema < 1 and 0 < prior <= 1, got '
-                       f'{self.ema}, {self.prior}')
-    if self.steps_per_decision < 1 or self.max_steps_per_decision < self.steps_per_decision:
-      raise ValueError('controller needs 1 <= steps_per_decision <= max_steps_per_decision')
-    if self.objective not in ('makespan', 'throughput'):
-      raise ValueError(f'controller objective must be makespan or throughput, got '
-                       f'{self.objective!r}')
-    if min(self.host_patience, self.host_chunk, self.probe_every) < 1 or \
-        self.host_max_chunk < self.host_chunk:
-      raise ValueError('controller needs host_patience, host_chunk, probe_every >= 1 and '
-                       'host_max_chunk >= host_chunk')
+    for name in (f.name for f in dataclasses.fields(self)):
+      value = _CHECKS[name](getattr(self, name), f'controller.{name}')
+      object.__setattr__(self, name, value)
+    for knob, bound in _ORDERED:
+      if getattr(self, knob) > getattr(self, bound):
+        raise UserError(f'controller.{knob}={getattr(self, knob)} must be <= '
+                        f'controller.{bound}={getattr(self, bound)}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,15 @@ from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.state import TreeTrace
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
+from dspec.errors import UserError
 from dspec.metrics import acceptance_metrics
 
 INT32_MAX = 2**31 - 1
 VERIFY_LENGTHS = ('auto', 'fixed', 'tree', 'auto_tree')
+# Drafter fields no tree proposer honours (`tree_proposers`): a DFlash tree is one block
+# pass (no denoising steps), a DSpark tree a beam over the Markov walk (no confidence-head
+# verify lengths, so no budget or cost). Tree modes refuse them away from their defaults.
+TREE_IGNORED_FIELDS = ('denoise_steps', 'verify_budget', 'verify_cost')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +206,28 @@ def trace_of(state, tiers: Optional[Sequence[int]] = None) -> dict:
   return {'first_token': int(tokens[int(prompt_len)]), 'steps': steps}
 
 
+def check_tree_fields(verify_length: str, drafter_name: str, fields) -> None:
+  """UserError naming each field of `fields` (drafter `drafter_name`'s settings, a mapping)
+  that verify_length tree or auto_tree would ignore (`TREE_IGNORED_FIELDS`) and that is
+  set away from its default, so that it is not silently dropped."""
+  if 'tree' not in verify_length:
+    return
+  defaults = registry.DEFAULTS.get(drafter_name, {})
+  ignored = [f'drafters.{drafter_name}.{name}={fields[name]}'
+             for name in TREE_IGNORED_FIELDS
+             if name in defaults and name in fields and fields[name] != defaults[name]]
+  if ignored:
+    raise UserError(f'verify_length={verify_length} does not honour {", ".join(ignored)}: '
+                    f'leave {"it" if len(ignored) == 1 else "them"} at the default, or use '
+                    'verify_length=fixed or auto')
+
+
+def check_verify_length(verify_length) -> None:
+  """UserError unless `verify_length` is one of `VERIFY_LENGTHS`."""
+  if verify_length not in VERIFY_LENGTHS:
+    raise UserError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
+
+
 def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                        verify_length: str = 'auto', trace: bool = False,
                        controller: ControllerConfig = ControllerConfig(),
@@ -215,13 +242,15 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   (`drafter.tree_proposer`) in one target pass; with 'auto_tree' the controller picks each
   chunk's node budget: trees of g + 1 nodes for the tiers g < tree.num_nodes - 1 and
   tree.num_nodes itself, or AR (tier 0)."""
-  if verify_length not in VERIFY_LENGTHS:
-    raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
+  check_verify_length(verify_length)
   gamma = drafter.num_draft
   if verify_length in ('tree', 'auto_tree'):
     if placement is not None or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
       raise ValueError(f'verify_length={verify_length} runs a device drafter on one device '
                        'without --config.mesh (use fixed or auto for those)')
+    check_tree_fields(verify_length, registry.name_of(drafter),
+                      {name: getattr(drafter, name) for name in TREE_IGNORED_FIELDS
+                       if hasattr(drafter, name)})
     if verify_length == 'auto_tree':
       budgets = {g for g in controller.tiers if g < tree.num_nodes - 1}
       return VerifyLengthController(
@@ -351,8 +380,12 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
   programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
   """
-  config_checks.check_decode_config(cfg)
+  config_checks.check_decode_config(cfg)   # every knob, before anything loads
   settings = Settings.from_config(cfg)
+  controller = ControllerConfig.from_config(cfg.get('controller', {}))
+  tree = TreeConfig.from_config(cfg.get('tree', {}))
+  check_verify_length(cfg.verify_length)
+  check_tree_fields(cfg.verify_length, cfg.drafter, cfg.drafters.get(cfg.drafter) or {})
   prompts = configured_prompts(cfg, prompts)
   if len(prompts) > cfg.batch_size:
     raise ValueError(f'{len(prompts)} prompts given but batch_size={cfg.batch_size}: '
@@ -360,6 +393,13 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   placement = sharding.placement_from_config(cfg)
   progress('loading the target')
   model, tokenizer, max_seq_len = loading.build_target(cfg.model, placement)
+  ratio = cfg.model.get('widen_mlp', 1)
+  if ratio > 1:
+    name = cfg.model.path or cfg.model.source
+    num_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    progress(f'target: {name} widened {ratio}x in its MLPs: '
+             f'{model.cfg.num_params() / 1e6:.1f}M params, {num_bytes / 1e6:.0f} MB '
+             f'({model.cfg.param_dtype}), same tokens as {name}')
   placement = placement and placement.for_model(model.cfg)
   target = Target(model, tokenizer, max_seq_len)
   progress(f'building the {cfg.drafter} drafter')
@@ -367,9 +407,7 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   out = decode(target, prompts, drafter, drafter_params, settings=settings,
                batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
                verify_length=cfg.verify_length, trace=trace, debug=cfg.debug,
-               placement=placement, progress=progress,
-               controller=ControllerConfig.from_config(cfg.get('controller', {})),
-               tree=TreeConfig.from_config(cfg.get('tree', {})))
+               placement=placement, progress=progress, controller=controller, tree=tree)
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

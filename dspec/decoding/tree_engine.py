@@ -26,29 +26,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspec.config_checks import check_int
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine, device_scalar
 from dspec.decoding.state import DecodeState, TreeTrace
 from dspec.decoding.tree import DraftTree, compact_path
 from dspec.decoding.tree_verification import verify_tree
+from dspec.errors import UserError
+
+
+# The most nodes a tree may have: one verify pass scores them all at once, with a
+# [B, N, cache] attention mask and N cache slots past every row's tokens.
+MAX_TREE_NODES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
   """Tree verification's knobs (`--config.tree.*`): nodes per tree (anchor included) and
-  candidates per slot of a block drafter's tree."""
+  candidates per slot of a block drafter's tree, at most num_nodes (no node of the tree
+  has room for more children, and a larger top_k only grows the proposers' buffers)."""
 
   num_nodes: int = 32
   top_k: int = 8
 
   def __post_init__(self):
-    if not 2 <= self.num_nodes <= 1024:
-      raise ValueError(f'tree.num_nodes must be in [2, 1024], got {self.num_nodes}')
-    if self.top_k < 1:
-      raise ValueError(f'tree.top_k must be >= 1, got {self.top_k}')
+    object.__setattr__(self, 'num_nodes',
+                       check_int(self.num_nodes, 'tree.num_nodes', 2, MAX_TREE_NODES))
+    object.__setattr__(self, 'top_k', check_int(self.top_k, 'tree.top_k', 1))
+    if self.top_k > self.num_nodes:
+      raise UserError(f'tree.top_k={self.top_k} must be <= tree.num_nodes={self.num_nodes} '
+                      '(no node of such a tree has room for more candidates)')
 
   @classmethod
   def from_config(cls, section) -> 'TreeConfig':
-    return cls(**{k: int(v) for k, v in dict(section).items()})
+    """From a config's `tree` section (a mapping of these fields)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(section) - fields)
+    if unknown:
+      raise UserError(f'tree: unknown knobs {unknown} (known: {sorted(fields)})')
+    return cls(**dict(section))
 
 
 def fit_tree(tree: DraftTree, anchor_B, vocab_size: int, room_B) -> DraftTree:

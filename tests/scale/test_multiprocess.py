@@ -28,7 +28,8 @@ RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash:fixed:0,dfla
         'dspark:fixed:1,suffix:fixed:0')
 AR = 'none:fixed:0'
 SINGLE_RUNS = ','.join([AR] + [r for r in RUNS.split(',') if not r.endswith(':0')])
-COMMON = ['--config=configs/demo.py', '--config.max_new_tokens=12',
+# The demo target itself (`small`, not the widened main job): compiling stays what dominates.
+COMMON = ['--config=configs/demo.py:small', '--config.max_new_tokens=12',
           '--config.controller.tiers=(0,)', '--config.drafters.suffix.num_draft=4',
           '--compilation_cache_dir=']
 
@@ -98,7 +99,7 @@ def test_failure_modes_are_one_line_each():
   sys.path.insert(0, os.path.join(REPO, 'scripts'))
   from launch_local import free_port   # pylint: disable=import-outside-toplevel
   port = free_port()
-  common = [DECODE, '--config=configs/demo.py', '--out=/dev/null',
+  common = [DECODE, '--config=configs/demo.py:small', '--out=/dev/null',
             '--compilation_cache_dir=', '--distributed_timeout=4']
   # Process 1 of 2 with nobody at the coordinator's address.
   proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
@@ -141,8 +142,9 @@ def test_a_dead_peer_ends_the_run_in_one_line(tmp_path):
   sys.path.insert(0, os.path.join(REPO, 'scripts'))
   from launch_local import free_port   # pylint: disable=import-outside-toplevel
   port = free_port()
-  argv = lambda i: [sys.executable, '-u', DECODE, '--config=configs/demo.py', '--out=/dev/null',
-                    '--compilation_cache_dir=', '--config.max_new_tokens=400',
+  argv = lambda i: [sys.executable, '-u', DECODE, '--config=configs/demo.py:small',
+                    '--out=/dev/null', '--compilation_cache_dir=',
+                    '--config.max_new_tokens=400',
                     '--runs=ngram:fixed:0,ngram:fixed:1,ngram:fixed:0',
                     '--config.mesh=data=2', f'--coordinator=127.0.0.1:{port}',
                     '--num_processes=2', f'--process_id={i}']

@@ -15,6 +15,8 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
+from dspec.config_checks import check_stored_config
+from dspec.errors import UserError
 from dspec.models.config import TransformerConfig
 from dspec.models.formats.config_fields import (PROPOSAL_FIELDS, SPECULATORS_CONFIG_FIELDS,
                                                 SPECULATORS_FIELDS, VERIFIER_FIELDS,
@@ -40,7 +42,8 @@ class FormatError(ValueError):
 
 
 def read_json(path: str) -> dict:
-  """A JSON object file; FormatError naming it otherwise."""
+  """A JSON object file whose numbers are finite and in range
+  (`config_checks.check_stored_config`); FormatError naming it otherwise."""
   try:
     with open(path) as f:
       config = json.load(f)
@@ -50,6 +53,10 @@ def read_json(path: str) -> dict:
     raise FormatError(f'{path}: cannot be read ({e.strerror or e})') from None
   if not isinstance(config, dict):
     raise FormatError(f'{path}: not a JSON object')
+  try:
+    check_stored_config(config)
+  except UserError as e:
+    raise FormatError(f'{path}: {e}') from None
   return config
 
 
