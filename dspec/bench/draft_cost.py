@@ -5,7 +5,9 @@ after prefilling a real prompt: `propose` (everything the drafter does to produc
 γ drafts) against the target's forward over the γ+1 verify tokens with its cache (what one
 speculative step verifies), plus `update` (the drafter's per-step bookkeeping, e.g. the
 DFlash context K/V append or the MTP catch-up). `tree_vs_chain_verify` prices a tree
-verify pass against chains.
+verify pass against chains; `verify_curve` the verify pass over k tokens against one AR
+step (k = 1), the curve that decides whether speculation can pay: flat where decoding is
+memory-bound, near k where it is compute-bound.
 """
 
 from __future__ import annotations
@@ -86,3 +88,22 @@ def tree_vs_chain_verify(target_graphdef, target_params, cache, num_nodes: int,
           'tree_verify_s': t_tree, 'chain_verify_s': t_short,
           'same_count_chain_verify_s': t_same, 'tree_over_chain': t_tree / t_short,
           'tree_over_same_count_chain': t_tree / t_same}
+
+
+def verify_curve(target_graphdef, target_params, cache, widths=(1, 2, 4, 8, 16, 32),
+                 taps=(), repeats: int = 20) -> dict:
+  """Seconds per target forward over k tokens with `cache` for each k in `widths`, and
+  each over the k = 1 forward (an AR step)."""
+  b = cache.lengths_B.shape[0]
+
+  @jax.jit
+  def forward(tparams, cache, tokens_BT):
+    return nnx.merge(target_graphdef, tparams)(tokens_BT, cache=cache, taps=taps).logits_BTV
+
+  widths = sorted(set(widths) | {1})
+  times = median_times([lambda k=k: forward(target_params, cache,
+                                            jnp.zeros((b, k), jnp.int32)) for k in widths],
+                       repeats)
+  one = times[widths.index(1)]
+  return {'batch_size': b, 'seconds': dict(zip(widths, times)),
+          'over_ar_step': {k: t / one for k, t in zip(widths, times)}}
