@@ -85,7 +85,9 @@ def main(argv):
   engine = SpeculativeEngine(graphdef, drafter=drafter)
   state = engine.prefill(tparams, dparams, prompt_BP, prompt_len_B,
                          max_new_tokens=cfg.max_new_tokens)
-  result = dict(method=method, prompt_tokens=int(prompt_len_B[0]),
+  path = '' if _RANDOM_LAYERS.value else cfg.drafters.get(cfg.drafter, {}).get('path', '')
+  result = dict(method=method, path=path, widen_mlp=cfg.model.get('widen_mlp', 1),
+                prompt_tokens=int(prompt_len_B[0]),
                 **draft_vs_verify(engine, tparams, dparams, state, _REPEATS.value))
   print(f'{method}: γ={result["num_draft"]} propose {1e3 * result["propose_s"]:.2f} ms, '
         f'update {1e3 * result["update_s"]:.2f} ms, verify {1e3 * result["verify_s"]:.2f} ms; '

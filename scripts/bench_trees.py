@@ -9,8 +9,9 @@ once with fixed verification (the chain of num_draft drafts) and once per tree s
 NODESxTOP_K (`--config.tree.num_nodes / top_k`). τ is committed tokens per verify step,
 pooled over the prompts (one batch; rows are independent, so τ is that of B = 1).
 Expected: one JSON line per drafter and temperature, e.g.
-  {"drafter": "eagle3", "T": 0.0, "chain_tau": 2.19, "trees": {"32x8": {"tau": 2.90,
-   "gain": 1.32, "nodes_verified_per_step": 30.7}}}
+  {"drafter": "eagle3", "T": 0.0, "chain_tau": 2.19, "chain_slot_acceptance": [0.50, ...],
+   "trees": {"32x8": {"tau": 2.90, "gain": 1.32, "nodes_verified_per_step": 30.7}}}
+(chain_slot_acceptance: p(draft k accepted | drafts < k accepted) of the chain.)
 and with --out all of them in one JSON file.
 """
 
@@ -74,8 +75,10 @@ def main(argv):
                              settings=settings, verify_length=verify_length,
                              tree=tree)['metrics']
 
-      chain_tau = decode('fixed')['tau']
+      chain = decode('fixed')
+      chain_tau = chain['tau']
       row = {'drafter': kind, 'path': path, 'T': temperature, 'chain_tau': chain_tau,
+             'chain_slot_acceptance': chain['per_position_acceptance_conditional'],
              'trees': {}}
       for tree in trees:
         m = decode('tree', tree)
