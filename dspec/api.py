@@ -6,6 +6,9 @@
   out = dspec.generate(target, ['def add(a, b):'], drafter=drafter, max_new_tokens=32)
   out.texts, out.ids, out.metrics['tau'], out.per_prompt
 
+Calls compile per shape bucket (prompt width and token buffer padded to powers of two,
+`prompts.bucket_shapes`), not per prompt length; `warmup` compiles (and profiles) the
+buckets of given prompt lengths ahead, so that later calls in them compile nothing.
 Greedy output (temperature 0) equals what the target alone generates, token for token;
 sampled output has the target's distribution. Every argument is checked before anything
 loads or compiles: a wrong type or value raises ValueError naming the argument and the
@@ -19,6 +22,8 @@ import copy
 import dataclasses
 import math
 import os
+import sys
+import time
 from typing import Any, Optional, Sequence
 
 import ml_collections
@@ -27,9 +32,11 @@ import numpy as np
 from dspec import loading
 from dspec.decoding import runner
 from dspec.decoding.drafters import registry
+from dspec.decoding.prompts import bucket_shapes
 
 Target = runner.Target
 INT32_MAX = 2 ** 31 - 1
+WARMUP_TEXT = 'def add(a, b):\n  """The sum of a and b."""\n  return a + b\n\n'
 
 
 def _is_int(value) -> bool:
@@ -155,7 +162,9 @@ def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096,
                 widen_mlp: int = 1) -> Target:
   """A dspec target checkpoint or a Hugging Face Llama/Qwen3 directory (detected), with its
   tokenizer (from `tokenizer_dir`, else the model directory, else bytes). `widen_mlp` > 1:
-  its MLPs that many times wider, writing the same tokens (`dspec.models.widen`)."""
+  its MLPs that many times wider, writing the same tokens (`dspec.models.widen`).
+  Raises ValueError for a bad argument, CheckpointError (a ValueError, `dspec.errors`) for
+  a path that holds no readable target (another kind, corrupt, two models' files)."""
   path = _path('path', path)
   tokenizer_dir = _path('tokenizer_dir', tokenizer_dir, optional=True)
   max_seq_len = _int('max_seq_len', max_seq_len, 2)
@@ -172,7 +181,9 @@ def load_drafter(kind: str, path: Optional[str] = None, *, target: Target,
   """Builds drafter `kind` (see `registry.known()`) for `target`.
 
   `path`: the checkpoint of a learned drafter (mtp, dflash). `overrides` set fields of its
-  config (`registry.DEFAULTS[kind]`), e.g. `num_draft=7`.
+  config (`registry.DEFAULTS[kind]`), e.g. `num_draft=7`. Raises ValueError for a bad
+  argument, CheckpointError (a ValueError, `dspec.errors`) for a path that holds no
+  readable drafter of `kind`.
   """
   if not isinstance(kind, str) or kind not in registry.known():
     raise ValueError(f'unknown drafter {kind!r}; known: {", ".join(registry.known())}')
@@ -213,6 +224,7 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   Markov walk, sampled chains for those at T > 0; the most recent matches for n-gram; the
   host-side suffix drafter has no tree mode), or 'auto_tree' (the controller picks each
   chunk's node budget from measured costs: trees of 2, 4, 8, 16 and 32 nodes, or AR).
+  Raises ValueError for a bad argument, before anything compiles.
   """
   if not isinstance(target, Target):
     raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')
@@ -232,3 +244,42 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
                       compare_ar=_bool('compare_ar', compare_ar),
                       verify_length=verify_length, trace=_bool('trace', trace))
   return Generation(**out)
+
+
+def warmup(target: Target, drafter: Optional[Drafter] = None, *,
+           prompt_lengths: Sequence[int] = (64,), max_new_tokens: int = 64,
+           batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           verify_length: str = 'auto') -> list:
+  """Compiles, and under verify_length 'auto' or 'auto_tree' profiles, the shape buckets
+  that `generate` calls of `batch_size` prompts of `prompt_lengths` tokens with
+  `max_new_tokens` and this sampling fall into (one generation of a filler prompt per
+  bucket), so that later calls in those buckets compile nothing. Prints one line to
+  stderr; returns the (prompt width, token buffer) buckets warmed."""
+  if not isinstance(target, Target):
+    raise ValueError(f'target must come from dspec.load_target, got {type(target).__name__}')
+  if drafter is not None and not isinstance(drafter, Drafter):
+    raise ValueError(f'drafter must come from dspec.load_drafter (or be None), got '
+                     f'{type(drafter).__name__}')
+  runner.check_verify_length(verify_length)
+  max_new_tokens = _int('max_new_tokens', max_new_tokens, 1, INT32_MAX // 2)
+  batch_size = _int('batch_size', batch_size, 1)
+  if not isinstance(prompt_lengths, (list, tuple)) or not prompt_lengths:
+    raise ValueError(f'prompt_lengths must be a non-empty list of integers, got '
+                     f'{prompt_lengths!r:.60}')
+  longest = target.max_seq_len - max_new_tokens - (drafter.num_draft if drafter else 0)
+  lengths = [_int(f'prompt_lengths[{i}]', n, 1, max(longest, 1))
+             for i, n in enumerate(prompt_lengths)]
+  buckets = {bucket_shapes(n, max_new_tokens, target.max_seq_len): n for n in sorted(lengths)}
+  filler = target.tokenizer.encode(WARMUP_TEXT)
+  while len(filler) < max(lengths):
+    filler += filler
+  t0 = time.perf_counter()
+  for n in buckets.values():
+    generate(target, [filler[:n]], drafter, max_new_tokens=max_new_tokens,
+             temperature=temperature, top_k=top_k, top_p=top_p, batch_size=batch_size,
+             verify_length=verify_length)
+  shapes = ', '.join(f'{p}/{b}' for p, b in buckets)
+  print(f'dspec.warmup: {len(buckets)} shape buckets (prompt width/token buffer: {shapes}) '
+        f'for batch size {batch_size}, verify_length={verify_length}, in '
+        f'{time.perf_counter() - t0:.1f} s', file=sys.stderr, flush=True)
+  return list(buckets)

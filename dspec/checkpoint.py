@@ -34,8 +34,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from dspec import files
 from dspec.config_checks import check_stored_config
-from dspec.errors import UserError
+from dspec.errors import CheckpointError, UserError
 from dspec.pytrees import key_name
 
 FORMAT_VERSION = 1
@@ -52,10 +53,6 @@ _CHECKPOINT_ENTRIES = frozenset({
     'tokenizer.json', 'tokenizer_config.json', 'generation_config.json',
     'special_tokens_map.json'})
 _unverified_warned = set()
-
-
-class CheckpointError(Exception):
-  """A checkpoint is missing, incomplete, corrupt or does not fit what is asked of it."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -310,6 +307,16 @@ def _check_output_path(raw) -> None:
                           'working directory (or one of its parents); name a new directory')
 
 
+def is_checkpoint_dir(path) -> bool:
+  """Whether directory `path` holds a dspec checkpoint and nothing else (what `force=True`
+  may replace)."""
+  try:
+    _check_replaceable(_as_path(path))
+  except CheckpointError:
+    return False
+  return True
+
+
 def _check_replaceable(path: epath.Path) -> None:
   """Raises CheckpointError unless `path` is a dspec checkpoint directory (and nothing more)."""
   if '://' not in str(path) and os.path.islink(path):
@@ -333,7 +340,9 @@ def save_tree(path, tree, metadata: dict, *, force: bool = False) -> None:
   The write is atomic (temporary directory, then rename), and the metadata records each
   array's checksum. An existing `path` is replaced only with `force=True`, and only when it
   is a dspec checkpoint directory: the new checkpoint is written beside it and swapped in
-  once complete. Empty and root-like paths are refused.
+  once complete (`files.write_dir`). Empty and root-like paths are refused. A write that
+  fails (disk full, read-only, permission denied) raises `files.WriteError` naming `path`
+  and leaves no partial directory, and an existing checkpoint as it was.
   """
   _check_output_path(path)
   path = _as_path(path)
@@ -351,18 +360,45 @@ def save_tree(path, tree, metadata: dict, *, force: bool = False) -> None:
     raise CheckpointError(f'{path}: metadata is not JSON-serialisable ({e})') from e
   args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree),
                                _METADATA_ITEM: ocp.args.JsonSave(metadata)})
-  if not exists or jax.process_count() > 1:
-    _checkpointer().save(path, force=exists, args=args)
-  else:
-    tag = f'{os.getpid()}-{time.time_ns()}'
-    fresh = path.parent / f'{path.name}.dspec-new-{tag}'
-    old = path.parent / f'{path.name}.dspec-old-{tag}'
-    _checkpointer().save(fresh, args=args)
-    path.rename(old)
-    fresh.rename(path)
-    old.rmtree()
+  with files.writing(path):
+    if jax.process_count() > 1 or ('://' in str(path) and not exists):
+      _checkpointer().save(path, force=exists, args=args)
+    elif '://' not in str(path):
+      files.write_dir(path, lambda tmp: _save_fresh(tmp, args), replace=exists)
+    else:   # replacing in a bucket: the same swap through epath
+      tag = f'{os.getpid()}-{time.time_ns()}'
+      fresh = path.parent / f'{path.name}.dspec-new-{tag}'
+      old = path.parent / f'{path.name}.dspec-old-{tag}'
+      _checkpointer().save(fresh, args=args)
+      path.rename(old)
+      fresh.rename(path)
+      old.rmtree()
   if jax.process_index() == 0:
     _scrub_commit_markers(path)
+
+
+class _WriteFailureLogFilter(logging.Filter):
+  """Drops the traceback orbax logs of a write that failed on an OS error (a full disk, a
+  read-only directory): the save raises it as one line naming the checkpoint."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is None or files.io_error_code(exc) is None
+
+
+def _save_fresh(path: str, args) -> None:
+  """Orbax's save into the new directory `path`; when it fails its temporary sibling is
+  removed, so no partial checkpoint is left."""
+  mute = _WriteFailureLogFilter()
+  logging.getLogger('absl').addFilter(mute)
+  try:
+    _checkpointer().save(_as_path(path), args=args)
+  except BaseException:
+    for leftover in epath.Path(path).parent.glob(f'{os.path.basename(path)}{_TMP_MARKER}*'):
+      leftover.rmtree()
+    raise
+  finally:
+    logging.getLogger('absl').removeFilter(mute)
 
 
 def _scrub_commit_markers(path) -> None:

@@ -9,7 +9,7 @@ import sys
 from absl import app, flags
 
 from dspec import compiled_programs
-from dspec.errors import UserError
+from dspec.errors import DspecError, UserError
 
 flags.DEFINE_string(
     'compilation_cache_dir', compiled_programs.DEFAULT_CACHE_DIR,
@@ -22,7 +22,7 @@ flags.DEFINE_integer('process_id', None, 'This process in a multi-process run (0
 flags.DEFINE_float('distributed_timeout', 120.0, 'Seconds to wait for the coordinator and '
                    'for every process to join (multi-process runs).')
 
-_USER_ERRORS = (UserError, ValueError, OSError, KeyError, OverflowError)
+_USER_ERRORS = (DspecError, ValueError, OSError, KeyError, OverflowError)
 _OOM_MARKERS = ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory')
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _default_config: list = []   # the default --config of the running script (define_config)
@@ -37,14 +37,6 @@ def define_config(default, help_string: str):
     here = default if os.path.isfile(default.split(':', 1)[0]) else os.path.join(_REPO, default)
     _default_config.append(here)
   return config_flags.DEFINE_config_file('config', None, help_string, lock_config=True)
-
-
-def _user_error_types():
-  try:
-    from dspec.checkpoint import CheckpointError
-    return _USER_ERRORS + (CheckpointError,)
-  except ImportError:
-    return _USER_ERRORS
 
 
 def _first_line(e: BaseException) -> str:
@@ -132,8 +124,9 @@ def _join_processes():
 def run(main):
   """`absl.app.run(main)`, printing `error: <message>` instead of a traceback.
 
-  Mapped to one line and exit 1: bad flags or config files, UserError, ValueError, OSError,
-  KeyError, OverflowError, CheckpointError, a config lacking a field the script reads, and
+  Mapped to one line and exit 1: bad flags or config files, every DspecError
+  (`dspec.errors`: bad input, bad checkpoints, refused or failed outputs), ValueError,
+  OSError, KeyError, OverflowError, a config lacking a field the script reads, and
   out-of-memory (XLA RESOURCE_EXHAUSTED or MemoryError, with a hint to shrink the batch).
   Ctrl-C unwinds the stack (locks released, temporary files removed) and exits 130 with
   one line. Anything else is a bug and keeps its traceback.
@@ -145,7 +138,7 @@ def run(main):
       if flags.FLAGS.compilation_cache_dir:
         compiled_programs.enable_persistent_cache(flags.FLAGS.compilation_cache_dir)
       return main(argv)
-    except _user_error_types() as e:
+    except _USER_ERRORS as e:
       _exit_with(_peer_failure(e) or _first_line(e))
     except AttributeError as e:   # a config without a field the script reads
       missing = _config_attribute_error(e)

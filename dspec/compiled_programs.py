@@ -8,16 +8,24 @@ compiles many programs (the whole test suite, a family benchmark over many draft
 sampling specs) passes the kernel's vm.max_map_count (65530 by default), and the compiler
 then fails with "Cannot allocate memory" or segfaults. `release_if_many_maps` drops the
 compiled programs (they recompile on next use) once the process holds `limit` mappings.
+`ProgramCache` bounds the decoding engines' program sets (an LRU of `MAX_PROGRAM_SETS`), so
+a long-lived process (a notebook calling `dspec.generate` on ever new shapes) stays flat;
+`counting_compiles` lists what XLA compiles meanwhile (tests, `scripts/bench_buckets.py`).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import os
+from typing import Callable, Hashable, Iterator
 
 import jax
 
 MAX_MEMORY_MAPS = 40_000
+MAX_PROGRAM_SETS = 128
+BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
 DEFAULT_CACHE_DIR = os.path.join(
     os.environ.get('XDG_CACHE_HOME', os.path.join(os.path.expanduser('~'), '.cache')),
     'dspec', 'xla')
@@ -50,3 +58,45 @@ def release_if_many_maps(limit: int = MAX_MEMORY_MAPS) -> bool:
   jax.clear_caches()
   gc.collect()
   return True
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list]:
+  """A list that collects the name of every program XLA compiles inside the block."""
+  names = []
+
+  def listener(event, seconds, **kw):
+    if event == BACKEND_COMPILE_EVENT:
+      names.append(kw.get('fun_name', ''))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+class ProgramCache:
+  """`build(engine)` (a dict of jitted functions) cached per engine and decode-state
+  shape, so that each set holds the executables of one shape; least recently used first
+  out past `MAX_PROGRAM_SETS` (read at each insertion, so settable): an evicted set's
+  functions drop their executables (`clear_cache`), and with them their memory mappings."""
+
+  def __init__(self, build: Callable[[Hashable], dict]):
+    self._build = build
+    self._sets = collections.OrderedDict()
+
+  def __call__(self, engine: Hashable, shape: tuple) -> dict:
+    key = (engine, shape)
+    programs = self._sets.get(key)
+    if programs is not None:
+      self._sets.move_to_end(key)
+      return programs
+    programs = self._sets[key] = self._build(engine)
+    while len(self._sets) > MAX_PROGRAM_SETS:
+      for fn in self._sets.popitem(last=False)[1].values():
+        fn.clear_cache()
+    return programs
+
+  def __len__(self) -> int:
+    return len(self._sets)

@@ -3,19 +3,23 @@
 One policy for every script and the API (docs/DESIGN.md, "Bad input"):
 
 - a file dspec wrote (`written_by_dspec`: a JSON object carrying `OUTPUT_KEY`, or a
-  safetensors file whose header names dspec) may be replaced; any other existing file is
-  refused unless the user forces it (`check_output_file`);
+  safetensors file whose header or a PNG whose text chunks name it) may be replaced; any
+  other existing file is refused unless the user forces it (`check_output_file`);
 - a symlink is refused everywhere, unless it leads to a stream (`/dev/stdout`, a FIFO), which
   is written through; a directory, block device or socket is never written as a file;
 - an output directory that holds files dspec did not write is refused unless forced, and even
   then nothing in it is deleted (`check_output_dir`);
-- two outputs on one path, or an output inside an input, are refused (`check_distinct`).
+- two outputs on one path, or an output inside (or equal to) an input, are refused
+  (`check_distinct`; a config's inputs: `config_inputs`).
 
-`write_atomic` replaces a regular (or new) file atomically, so a reader never sees a
-half-written output; a new file gets the mode `open()` would give it (umask respected), a
-replaced one keeps its mode. `directory_lock` lets one process at a time write a directory;
-its `.lock` file is removed on exit, and one left by a killed process is stale (the kernel
-lock died with it) and taken over.
+`check_outputs` applies all of it to a run's output flags before any work; every script's
+output flags go through it. `write_atomic` replaces a regular (or new) file atomically, so a
+reader never sees a half-written output; a new file gets the mode `open()` would give it
+(umask respected), a replaced one keeps its mode. `write_dir` does the same for a directory.
+A write that fails (disk full, read-only, permission denied) raises WriteError naming the
+output, and leaves the previous output as it was. `directory_lock` lets one process at a
+time write a directory; its `.lock` file is removed on exit, and one left by a killed
+process is stale (the kernel lock died with it) and taken over.
 """
 
 from __future__ import annotations
@@ -25,17 +29,53 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import struct
 import tempfile
-from typing import Callable, Mapping
+import time
+from typing import Callable, Mapping, Optional
+
+from dspec.errors import DspecError
 
 OUTPUT_KEY = 'dspec_output'     # top-level key of every JSON object dspec writes as output
+# Config fields that name what a run reads (at any depth): no output may go inside them.
+INPUT_FIELDS = frozenset({'path', 'tokenizer_dir', 'data_dir', 'token_map', 'init_from'})
 
 
-class OutputPathError(OSError):
+class OutputPathError(DspecError, OSError):
   """An output path names something that must not be written or replaced."""
+
+
+class WriteError(DspecError, OSError):
+  """An output could not be written (disk full, read-only, permission denied)."""
+
+
+def io_error_code(e: BaseException) -> Optional[int]:
+  """The OS error number of an I/O failure: an OSError's, or the one a library names in its
+  message (safetensors: `os error 28`, tensorstore: `os_error_code='28'`); else None."""
+  if isinstance(e, OSError):
+    return e.errno
+  found = re.search(r"os[ _]error(?:_code=')? ?(\d+)", str(e))
+  return int(found.group(1)) if found else None
+
+
+@contextlib.contextmanager
+def writing(path: str):
+  """Turns an I/O failure in the block (`io_error_code`) into one WriteError naming the
+  output `path` (not the temporary file it hit, nor a file written inside it); dspec's
+  other errors pass through."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  (libraries wrap OS errors)
+    code = io_error_code(e)
+    if code is None or (isinstance(e, DspecError) and not isinstance(e, WriteError)):
+      raise
+    error = WriteError(f'{path}: cannot write it ({os.strerror(code)}); nothing there was '
+                       'replaced')
+    error.errno = code
+    raise error from None
 
 
 def _kind(mode: int) -> str:
@@ -115,24 +155,29 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
   """
   path = os.fspath(path)
   if _refuse_unwritable(path):
-    _write_through(path, write)
+    with writing(path):
+      _write_through(path, write)
     return
   st = _stat(path)
   tmp = f'{path}.tmp{os.getpid()}'
   try:
-    write(tmp)
-    if st is not None:
-      shutil.copymode(path, tmp)
-    else:
-      os.chmod(tmp, _new_file_mode())
-    os.replace(tmp, path)
+    with writing(path):
+      write(tmp)
+      if st is not None:
+        shutil.copymode(path, tmp)
+      else:
+        os.chmod(tmp, _new_file_mode())
+      os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
 
 
 def write_text_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` atomically."""
+  """Writes `text` to `path` atomically (creating the parent directory)."""
+  with writing(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
   def write(tmp):
     with open(tmp, 'w') as f:
       f.write(text)
@@ -141,14 +186,52 @@ def write_text_atomic(path: str, text: str) -> None:
 
 def write_json_atomic(path: str, obj, indent: int = 1) -> None:
   """Writes `obj` as JSON to `path` atomically (creating the parent directory)."""
-  parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
+  with writing(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
   def write(tmp):
     with open(tmp, 'w') as f:
       json.dump(obj, f, indent=indent)
 
   write_atomic(path, write)
+
+
+def write_dir(path, write: Callable[[str], None], *, replace: bool = False) -> None:
+  """`write(tmp)` makes a new directory `tmp` beside `path`, then its files go to `path`
+  all at once; when `write` fails, `path` is as it was and `tmp` is removed.
+
+  A new `path` is `tmp` renamed. An existing one is, with `replace` (the caller checked
+  that it is a dspec output), replaced whole: renamed aside, `tmp` renamed in, the old one
+  removed; without it each file of `tmp` replaces its namesake in `path` and nothing else
+  there is touched. A symlink or a non-directory at `path` raises OutputPathError.
+  """
+  path = os.path.abspath(os.fspath(path))
+  link = _stat(path, follow=False)
+  if link is not None and not stat.S_ISDIR(link.st_mode):
+    what = 'a symlink' if stat.S_ISLNK(link.st_mode) else _kind(link.st_mode)
+    raise OutputPathError(f'{path}: is {what}, not a directory; refusing to write it')
+  tag = f'{os.getpid()}-{time.time_ns()}'
+  tmp, old = f'{path}.dspec-new-{tag}', f'{path}.dspec-old-{tag}'
+  try:
+    with writing(path):
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      write(tmp)
+      if link is None:
+        os.rename(tmp, path)
+      elif replace:
+        shutil.copymode(path, tmp)
+        os.rename(path, old)
+        try:
+          os.rename(tmp, path)
+        except BaseException:
+          os.rename(old, path)
+          raise
+      else:
+        for name in os.listdir(tmp):
+          os.replace(os.path.join(tmp, name), os.path.join(path, name))
+  finally:
+    for leftover in (tmp, old):
+      shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_json(path: str, what: str = 'JSON file'):
@@ -182,11 +265,31 @@ def _safetensors_metadata(path: str) -> dict:
   return header.get('__metadata__') or {}
 
 
+def _png_text_keys(path: str) -> set:
+  """The keywords of a PNG file's text chunks before its image data (matplotlib writes
+  `savefig(metadata=...)` there)."""
+  keys = set()
+  with open(path, 'rb') as f:
+    if f.read(8) != b'\x89PNG\r\n\x1a\n':
+      return keys
+    while len(head := f.read(8)) == 8:
+      size, kind = struct.unpack('>I4s', head)
+      if kind in (b'IDAT', b'IEND'):
+        break
+      data = f.read(size + 4)   # and its CRC
+      if kind == b'tEXt':
+        keys.add(data.split(b'\0', 1)[0].decode('latin-1'))
+  return keys
+
+
 def written_by_dspec(path: str) -> bool:
-  """Whether the regular file `path` is an output dspec wrote (its mark, see module doc)."""
+  """Whether the regular file `path` is an output dspec wrote (its mark, see module doc:
+  a PNG carries it as a text chunk, `savefig(metadata={OUTPUT_KEY: kind})`)."""
   try:
     if path.endswith('.safetensors'):
       return OUTPUT_KEY in _safetensors_metadata(path)
+    if path.endswith('.png'):
+      return OUTPUT_KEY in _png_text_keys(path)
     if os.path.getsize(path) > 2 ** 30:
       return False
     with open(path, encoding='utf-8') as f:
@@ -196,9 +299,10 @@ def written_by_dspec(path: str) -> bool:
   return isinstance(obj, dict) and OUTPUT_KEY in obj
 
 
-def check_output_file(path: str, flag: str, *, force: bool = False) -> None:
-  """OutputPathError unless `path` may be written: new, a stream, a file dspec wrote, or
-  (`force`) any regular file. `flag` names the argument in the message."""
+def check_output_file(path: str, flag: str, *, force: bool = False,
+                      ours: Callable[[str], bool] = written_by_dspec) -> None:
+  """OutputPathError unless `path` may be written: new, a stream, a file dspec wrote
+  (`ours(path)`), or (`force`) any regular file. `flag` names the argument in messages."""
   path = os.fspath(path)
   if not path:
     raise OutputPathError(f'{flag}: empty output path')
@@ -207,7 +311,7 @@ def check_output_file(path: str, flag: str, *, force: bool = False) -> None:
       return
   except OutputPathError as e:
     raise OutputPathError(f'{flag}={e}') from None
-  if os.path.exists(path) and not force and not written_by_dspec(path):
+  if os.path.exists(path) and not force and not ours(path):
     raise OutputPathError(f'{flag}={path}: exists and was not written by dspec; refusing to '
                           'replace it (pass --force to replace it)')
 
@@ -262,13 +366,47 @@ def check_distinct(outputs: Mapping[str, str], inputs: Mapping[str, str] = {}) -
 
 
 def check_outputs(outputs: Mapping[str, str], inputs: Mapping[str, str] = {}, *,
-                  force: bool = False) -> None:
-  """`check_distinct`, then `check_output_file` for every output given (None: not asked
-  for): what a script runs before any work, so a bad output path costs nothing."""
+                  force: bool = False, dirs: Mapping[str, Callable[[str], bool]] = {},
+                  ours: Mapping[str, Callable[[str], bool]] = {}) -> None:
+  """The output-path policy of one run, checked before any work so that a bad output path
+  costs nothing: `check_distinct`, then every output given (None: not asked for) as a file
+  (`check_output_file`) or, for a flag in `dirs`, a directory (`check_output_dir`, whose
+  `ours` is `dirs[flag]`). `ours`: {flag: whether a file is an earlier output} for file
+  outputs that carry no mark (`written_by_dspec`), such as Markdown tables.
+
+  outputs, inputs: {argument name: path}; every script's output flags go through here."""
   check_distinct(outputs, inputs)
   for flag, path in outputs.items():
-    if path is not None:
-      check_output_file(path, flag, force=force)
+    if path is None:
+      continue
+    if flag in dirs:
+      check_output_dir(path, flag, force=force, ours=dirs[flag])
+    else:
+      check_output_file(path, flag, force=force, ours=ours.get(flag, written_by_dspec))
+
+
+def config_inputs(cfg, prefix: str = '--config.') -> dict:
+  """{`--config.<field>`: path} of every non-empty field of a config, at any depth, whose
+  name is in `INPUT_FIELDS`: what a run of it may read (the `inputs` of `check_outputs`)."""
+  found = {}
+  for key, value in cfg.items():
+    if hasattr(value, 'items'):
+      found.update(config_inputs(value, f'{prefix}{key}.'))
+    elif key in INPUT_FIELDS and isinstance(value, (str, os.PathLike)) and value:
+      found[f'{prefix}{key}'] = os.fspath(value)
+  return found
+
+
+def starts_with(prefix: str) -> Callable[[str], bool]:
+  """Whether a text file begins with `prefix`: how an unmarked text output (a Markdown
+  table whose first line a script writes) is recognised as an earlier one."""
+  def check(path: str) -> bool:
+    try:
+      with open(path, encoding='utf-8') as f:
+        return f.read(len(prefix)) == prefix
+    except (OSError, UnicodeDecodeError):
+      return False
+  return check
 
 
 # ---------------------------------------------------------------------------------- locks
@@ -276,7 +414,7 @@ def check_outputs(outputs: Mapping[str, str], inputs: Mapping[str, str] = {}, *,
 LOCK_FILE = '.lock'
 
 
-class LockedError(OSError):
+class LockedError(DspecError, OSError):
   """Another process holds the lock of a directory."""
 
 
@@ -315,7 +453,8 @@ def directory_lock(directory: str, what: str):
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise OutputPathError(f'{directory}: exists and is not a directory')
   created = not os.path.exists(directory)
-  os.makedirs(directory, exist_ok=True)
+  with writing(directory):
+    os.makedirs(directory, exist_ok=True)
   key = os.path.realpath(directory)
   if key in _held_locks:
     _held_locks[key] += 1

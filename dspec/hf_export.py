@@ -7,19 +7,17 @@ torch's [out, in], no `lm_head.weight` when embeddings are tied. Writing needs n
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.flax import save_file
 
 from dspec.checkpoint import leaf_paths
 from dspec.hf_import import hf_tensor_name
 from dspec.models.config import TransformerConfig
 from dspec.models.formats.hf_config import SUPPORTED_MODEL_TYPES
+from dspec.models.formats.safetensors_io import write_model_dir
 from dspec.models.transformer import Transformer
 
 _ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}
@@ -73,18 +71,17 @@ def _default_model_type(cfg: TransformerConfig) -> str:
 
 def export_to_hf(model: Transformer, out_dir, model_type: Optional[str] = None, *,
                  max_position_embeddings: int = 32768) -> None:
-  """Writes `out_dir/config.json` and `out_dir/model.safetensors` for `transformers`.
+  """Writes `out_dir/config.json` and `out_dir/model.safetensors` for `transformers`, both
+  or neither (`safetensors_io.write_model_dir`: an earlier export is replaced whole, a
+  directory holding another model's files refused).
 
   `model_type` defaults to 'qwen3' for q/k-normed models and 'llama' otherwise.
   """
   model_type = model_type or _default_model_type(model.cfg)
   config = hf_config_dict(model.cfg, model_type,
                           max_position_embeddings=max_position_embeddings)
-  os.makedirs(out_dir, exist_ok=True)
-  tensors = {k: jnp.asarray(v) for k, v in hf_state_dict(model).items()}
-  save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-    json.dump(config, f, indent=2)
+  tensors = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
+  write_model_dir(out_dir, config, tensors, model.cfg.param_dtype, what='target export')
 
 
 def to_transformers_model(model: Transformer, model_type: Optional[str] = None):

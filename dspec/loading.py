@@ -10,6 +10,7 @@ from flax import nnx
 
 from dspec import checkpoint, sharding
 from dspec.models.config import TransformerConfig
+from dspec.models.formats.safetensors_io import check_one_model
 from dspec.models.transformer import Transformer
 from dspec.models.widen import widen_mlp
 from dspec.tokenizer import IdsOnlyTokenizer, declared_eos_ids, load_tokenizer
@@ -70,9 +71,12 @@ def build_target(model_cfg, placement: Optional[sharding.Placement] = None):
   source: random (shape, seed) | checkpoint (a dspec checkpoint at path) | hf (a Hugging
   Face Llama/Qwen3 directory at path). The tokenizer: `target_tokenizer`. `widen_mlp`
   (default 1) > 1 widens the MLPs that many times, same tokens (`models/widen.py`). With a
-  `placement`, params live on its mesh (random init: created already sharded).
+  `placement`, params live on its mesh (random init: created already sharded). A directory
+  holding two models' files is refused (`check_one_model`).
   """
   source = model_cfg.source
+  if source in ('checkpoint', 'hf'):
+    check_one_model(model_cfg.path)
   if source == 'random':
     cfg = TransformerConfig(**model_cfg.shape)
     ctor = lambda: Transformer(cfg, rngs=nnx.Rngs(model_cfg.seed))

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import tokenizers
 
+from dspec import files
+
 EOS_TOKEN = '<|endoftext|>'
 MASK_TOKEN = '<|mask|>'
 
@@ -210,8 +212,12 @@ def load_tokenizer(model_dir: str | None, vocab_size: int, *,
                        stop_ids=eos_ids)
 
 
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json')   # what training writes
+
+
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HFTokenizer:
-  """Train a byte-level BPE on `texts` and write `tokenizer.json` + `tokenizer_config.json`.
+  """Train a byte-level BPE on `texts` and write `tokenizer.json` + `tokenizer_config.json`
+  into `out_dir`, both or neither (`files.write_dir`; other files there are kept).
 
   Special tokens: `<|endoftext|>` (id 0, EOS and document separator) and `<|mask|>` (id 1,
   a spare id for the DFlash MASK token). Deterministic for the same texts in the same order.
@@ -228,8 +234,6 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) ->
       show_progress=False,
   )
   tok.train_from_iterator(texts, trainer)
-  os.makedirs(out_dir, exist_ok=True)
-  tok.save(os.path.join(out_dir, 'tokenizer.json'))
   config = {
       'tokenizer_class': 'PreTrainedTokenizerFast',
       'eos_token': EOS_TOKEN,
@@ -238,9 +242,15 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) ->
       'mask_token': MASK_TOKEN,
       'mask_token_id': tok.token_to_id(MASK_TOKEN),
   }
-  with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-    json.dump(config, f, indent=2)
-    f.write('\n')
+
+  def write(tmp):
+    os.makedirs(tmp)
+    tok.save(os.path.join(tmp, TOKENIZER_FILES[0]))
+    with open(os.path.join(tmp, TOKENIZER_FILES[1]), 'w') as f:
+      json.dump(config, f, indent=2)
+      f.write('\n')
+
+  files.write_dir(out_dir, write)
   return HFTokenizer(out_dir)
 
 

@@ -60,6 +60,9 @@ _OBJECTIVE = flags.DEFINE_enum(
 _COSTS = flags.DEFINE_string('cost_table', None, 'Step-cost JSON to load (if it exists) '
                              "and to save the profiled costs to; '{drafter}' in the path is "
                              'replaced by the drafter name (needed with several drafters).')
+_FORCE = flags.DEFINE_bool('force', False, 'Write into an --out_dir holding files dspec '
+                           'did not write (nothing in it is deleted), and replace a '
+                           '--cost_table file that is not a step-cost table.')
 
 
 def _ints(name: str, values, low: int) -> list:
@@ -87,6 +90,22 @@ def _check_flags():
     raise cli.UserError("--cost_table with several drafters needs '{drafter}' in the path")
   return (names, sorted(set(conc)), sorted(set(_ints('gammas', _GAMMAS.value, 1))),
           _ints('tiers', _TIERS.value, 0))
+
+
+def _is_cost_table(path: str) -> bool:
+  """An earlier --cost_table (a file `CostTable.load` reads): replaced without --force."""
+  from dspec.decoding.controller import CostTable
+  try:
+    CostTable.load(path)
+  except ValueError:
+    return False
+  return True
+
+
+def _is_concurrency_dir(out_dir: str) -> bool:
+  """An earlier --out_dir: its concurrency.json carries dspec's mark."""
+  from dspec import files
+  return files.written_by_dspec(os.path.join(out_dir, 'concurrency.json'))
 
 
 def _drafter_config(cfg, name: str, num_draft=None):
@@ -197,6 +216,11 @@ def main(argv):
   cfg = _CONFIG.value
   if _ORACLE_ACC.value:
     cfg.drafters.oracle.acceptance = [float(a) for a in _ORACLE_ACC.value]
+  costs = {f'--cost_table[{name}]': _COSTS.value.replace('{drafter}', name)
+           for name in names if _COSTS.value}
+  files.check_outputs({'--out_dir': _OUT.value, **costs}, files.config_inputs(cfg),
+                      force=_FORCE.value, dirs={'--out_dir': _is_concurrency_dir},
+                      ours=dict.fromkeys(costs, _is_cost_table))
   settings = runner.Settings.from_config(cfg)
   spec = settings.sampling()
   target, tokenizer, max_seq_len = loading.build_target(cfg.model)
@@ -274,7 +298,8 @@ def main(argv):
          'max_new_tokens': cfg.max_new_tokens, 'temperature': settings.temperature,
          'top_p': settings.top_p, 'timing_repeats': cfg.timing_repeats,
          'model': target.cfg.to_dict()}
-  files.write_json_atomic(os.path.join(_OUT.value, 'concurrency.json'), out)
+  files.write_json_atomic(os.path.join(_OUT.value, 'concurrency.json'),
+                          files.mark(out, 'bench_concurrency'))
   text = _markdown(rows, goals, skipped)
   files.write_text_atomic(os.path.join(_OUT.value, 'concurrency.md'), text)
   files.write_atomic(os.path.join(_OUT.value, 'concurrency.png'),

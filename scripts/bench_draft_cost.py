@@ -54,7 +54,8 @@ def _random_dflash(cfg, target):
 
 def main(argv):
   del argv
-  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
+  files.check_outputs({'--out': _OUT.value}, files.config_inputs(_CONFIG.value),
+                      force=_FORCE.value)
   from flax import nnx
 
   from dspec import loading

@@ -160,7 +160,8 @@ def no_proposal_study(cfg, target, graphdef, params, stop_ids) -> dict:
 
 def main(argv):
   del argv
-  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
+  files.check_outputs({'--out': _OUT.value}, {'--checkpoint': _CHECKPOINT.value},
+                      force=_FORCE.value)
   import jax
   import jax.numpy as jnp
   from flax import nnx

@@ -35,6 +35,7 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens per prompt.
 _OUT = flags.DEFINE_string('out', None, 'Where to write the rows (JSON).')
 _FORCE = flags.DEFINE_bool('force', False, 'Replace an --out file that dspec did not write.')
 DATASETS = ('humaneval', 'gsm8k_test')
+DATA_DIR = 'data'   # where the prompt sets are (relative: cwd, then the project root)
 
 
 def _shape(text: str):
@@ -47,7 +48,6 @@ def _shape(text: str):
 
 def main(argv):
   del argv
-  files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
   shapes = [_shape(s) for s in _SHAPES.value]
   drafters = []
   for spec in _DRAFTERS.value:
@@ -55,6 +55,9 @@ def main(argv):
     if not path:
       raise UserError(f'--drafters: {spec!r} is not kind:checkpoint')
     drafters.append((kind, path))
+  files.check_outputs({'--out': _OUT.value}, {
+      '--target': _TARGET.value, 'prompt folder': DATA_DIR,
+      **{f'--drafters={kind}': path for kind, path in drafters}}, force=_FORCE.value)
   import dspec
   from dspec import datasets
   from dspec.decoding import runner
@@ -63,7 +66,7 @@ def main(argv):
            for nodes, top_k in shapes]
   target = dspec.load_target(_TARGET.value)
   prompts = [p for name in DATASETS
-             for p in datasets.load_prompts(name, 'data', _NUM_PROMPTS.value)]
+             for p in datasets.load_prompts(name, DATA_DIR, _NUM_PROMPTS.value)]
   rows = []
   for kind, path in drafters:
     drafter = dspec.load_drafter('dflash' if kind == 'dflash2' else kind, path, target=target)

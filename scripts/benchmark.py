@@ -11,7 +11,8 @@ transformers peer rows), DIR/results.md, DIR/meta.json and PNG plots (docs/DESIG
 appears only when the run finished; until then DIR/results.partial.json holds every finished
 (dataset, temperature, batch size) sweep point, which --resume does not run again (each
 point's speedups compare with the AR run of the same point and process). A DIR holding files
-dspec did not write is refused unless --force (and then nothing in it is deleted). Library
+dspec did not write is refused unless --force (and then nothing in it is deleted), and so is
+a DIR inside an input of the config (its model, drafters, tokenizer or data folder). Library
 code: dspec/bench/harness.py.
 """
 
@@ -50,8 +51,8 @@ def main(argv):
     raise cli.UserError('give --out_dir=DIR')
   config_checks.require_sections(_CONFIG.value, ('bench',), 'scripts/benchmark.py',
                                  flags.FLAGS['config'].config_filename)
-  files.check_output_dir(_OUT_DIR.value, '--out_dir', force=_FORCE.value,
-                         ours=report.is_benchmark_dir)
+  files.check_outputs({'--out_dir': _OUT_DIR.value}, files.config_inputs(_CONFIG.value),
+                      force=_FORCE.value, dirs={'--out_dir': report.is_benchmark_dir})
   command = 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
   status(f'benchmark into {_OUT_DIR.value}: loading the target and drafters')
   rows = harness.run_benchmark(_CONFIG.value, _OUT_DIR.value, command, _RESUME.value)

@@ -35,8 +35,9 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'generation_config
 def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
   """Loads `hf_dir`, saves it as a dspec target checkpoint at `out` with its tokenizer."""
   from dspec import files
-  from dspec.checkpoint import save_model  # heavy imports after flag parsing
-  files.check_distinct({'--out': out}, {'--hf_dir': hf_dir})
+  from dspec.checkpoint import is_checkpoint_dir, save_model  # heavy imports after parsing
+  files.check_outputs({'--out': out}, {'--hf_dir': hf_dir}, force=force,
+                      dirs={'--out': is_checkpoint_dir})
   from dspec.hf_import import load_hf_model, read_hf_config
   from dspec.tokenizer import declared_eos_ids
   hf_config = read_hf_config(hf_dir)
@@ -51,7 +52,8 @@ def convert(hf_dir: str, out: str, storage_dtype: str, force: bool) -> None:
              force=force)
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+      with files.writing(os.path.join(out, name)):
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
   if not has_tokenizer:
     print(f'warning: {hf_dir} has no tokenizer.json: {out} takes prompts as token ids only '
           f'(or give a tokenizer with --config.model.tokenizer_dir); it stops at the ids its '

@@ -38,16 +38,6 @@ def _parse_ids(text: str) -> list:
     raise cli.UserError(f'--prompt_ids must be comma-separated integers, got {text!r}')
 
 
-def _check_outputs(cfg, files) -> None:
-  """The output-path policy (`dspec.files`) for --metrics_json and --trace_json."""
-  outputs = {'--metrics_json': _METRICS_JSON.value, '--trace_json': _TRACE_JSON.value}
-  inputs = {'--config.model.path': cfg.model.path,
-            '--config.model.tokenizer_dir': cfg.model.tokenizer_dir}
-  if cfg.drafter in cfg.drafters:
-    inputs[f'--config.drafters.{cfg.drafter}.path'] = cfg.drafters[cfg.drafter].get('path')
-  files.check_outputs(outputs, inputs, force=_FORCE.value)
-
-
 def main(argv):
   del argv
   from dspec import sharding
@@ -60,7 +50,9 @@ def main(argv):
                                  flags.FLAGS['config'].config_filename)
   if _PROMPT_IDS.value is not None and _PROMPT.value:
     raise cli.UserError('give either --prompt or --prompt_ids, not both')
-  _check_outputs(cfg, files)
+  files.check_outputs({'--metrics_json': _METRICS_JSON.value,
+                       '--trace_json': _TRACE_JSON.value},
+                      files.config_inputs(cfg), force=_FORCE.value)
   prompts = [_parse_ids(_PROMPT_IDS.value)] if _PROMPT_IDS.value is not None else _PROMPT.value
   report = runner.run_decode(cfg, prompts, trace=bool(_TRACE_JSON.value), progress=status)
   print(f"prompt:\n{report['prompt']}\n----- continuation -----\n{report['text']}\n"

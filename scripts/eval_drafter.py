@@ -13,11 +13,11 @@ T = 0 (`dspec.training.slot_acceptance`); the table gives per slot p(hit | earli
 hit), p(slots 1..k hit) and p(hit), then two τ estimates at fixed verification of the K
 drafts: `tau`, 1 + E[accepted drafts] over all anchors alike, and `walk tau`, the tokens
 per step a T = 0 decode of the rows' prompts commits (what decoding measures). --out
-writes the table as JSON (atomically); an existing file not written by this script is
-kept unless --force. Bad input prints one `error: ...` line and exits with status 1.
+writes the table as JSON (atomically); an existing file dspec did not write is kept unless
+--force, and an --out inside --path, --target or --data is refused. Bad input prints one
+`error: ...` line and exits with status 1.
 """
 
-import json
 import os
 import sys
 
@@ -31,7 +31,6 @@ from dspec.errors import UserError  # noqa: E402
 KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
 WIDTH = 320               # configs/common.py drafter_training: seq_len
 HELDOUT_FRACTION = 0.03   # ... and data.heldout_fraction
-FORMAT = 'dspec eval_drafter'
 
 _KIND = flags.DEFINE_enum('kind', None, list(KINDS), 'Drafter family.', required=True)
 _PATH = flags.DEFINE_string('path', None, 'Drafter checkpoint.', required=True)
@@ -41,24 +40,7 @@ _DATA = flags.DEFINE_string('data', 'demo/distill_demo8k', 'Distilled dataset '
                             '(scripts/distill.py) whose held-out rows are evaluated.')
 _ROWS = flags.DEFINE_integer('rows', 64, 'Most held-out rows to evaluate.')
 _OUT = flags.DEFINE_string('out', '', 'JSON file to write (optional).')
-_FORCE = flags.DEFINE_boolean('force', False, 'Replace an --out file not written by '
-                              'eval_drafter.')
-
-
-def _check_out(out: str) -> None:
-  """UserError unless `out` may be (re)written."""
-  if not out or not os.path.exists(out) or _FORCE.value:
-    return
-  if os.path.isdir(out):
-    raise UserError(f'--out={out} is a directory')
-  try:
-    with open(out) as f:
-      ours = json.load(f).get('format') == FORMAT
-  except (OSError, ValueError, AttributeError):
-    ours = False
-  if not ours:
-    raise UserError(f'--out={out} exists and was not written by eval_drafter (pass --force '
-                    'to replace it)')
+_FORCE = flags.DEFINE_boolean('force', False, 'Replace an --out file dspec did not write.')
 
 
 def _load(kind: str, path: str, target):
@@ -90,7 +72,8 @@ def main(argv):
 
   if _ROWS.value < 1:
     raise UserError(f'--rows must be >= 1, got {_ROWS.value}')
-  _check_out(_OUT.value)
+  inputs = {'--path': _PATH.value, '--target': _TARGET.value, '--data': _DATA.value}
+  files.check_outputs({'--out': _OUT.value or None}, inputs, force=_FORCE.value)
   if not os.path.isdir(_PATH.value):
     raise UserError(f'--path={_PATH.value}: no such directory')
   model_cfg = common.model_config('demo')
@@ -114,10 +97,10 @@ def main(argv):
   print(f'tau (all anchors) = {table.tau:.3f}   walk tau (decode of the rows) = '
         f'{table.walk_tau:.3f} over {table.walk_steps} steps')
   if _OUT.value:
-    files.write_json_atomic(_OUT.value, {
-        'format': FORMAT, 'kind': _KIND.value, 'path': _PATH.value,
-        'target': _TARGET.value, 'data': _DATA.value, 'rows': len(rows.held_tokens),
-        **table.to_dict()})
+    files.write_json_atomic(_OUT.value, files.mark({
+        'kind': _KIND.value, 'path': _PATH.value, 'target': _TARGET.value,
+        'data': _DATA.value, 'rows': len(rows.held_tokens), **table.to_dict()},
+        'eval_drafter'))
     print(f'wrote {_OUT.value}')
 
 

@@ -18,9 +18,12 @@ checkpoint metadata (or config.json). Forms (`dspec.models.formats.DRAFTERS`):
 
 Combinations without a writer (DSpark or EAGLE-3 in z-lab form, DFlash in speculators form)
 and drafters a form cannot express (a reduced draft vocabulary in z-lab form, dspec's
-anchor-relative window) are refused. An --out that holds files dspec did not write is refused
-unless --force; an earlier export is replaced; --out inside --path is refused. Bad input
-prints one `error: ...` line and exits with status 1.
+anchor-relative window) are refused. --out is written whole or not at all: an earlier export
+is replaced whole; an --out that holds files dspec did not write is refused unless --force,
+which replaces a dspec checkpoint there whole and otherwise writes the two files beside the
+others, refusing a directory that holds another model's files (so no directory ever holds
+two drafters); --out inside --path is refused. Bad input, and a write that fails (disk
+full, read-only), print one `error: ...` line and exit with status 1.
 """
 
 import os
@@ -39,17 +42,10 @@ _FORMAT = flags.DEFINE_enum('format', None, ['zlab', 'speculators'],
                             'for DSpark, EAGLE-3 and MTP).')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
                            'Dtype of the exported tensors.')
-_FORCE = flags.DEFINE_boolean('force', False, 'Write into an --out directory holding files '
-                               'dspec did not write (its config.json and model.safetensors '
-                               'are replaced; nothing else is touched).')
-
-
-def _exported_by_dspec(out: str) -> bool:
-  """An earlier export: a dspec-marked model.safetensors beside config.json, nothing else."""
-  from dspec import files
-  from dspec.models.formats.safetensors_io import SINGLE_FILE
-  return (set(os.listdir(out)) - {files.LOCK_FILE} == {SINGLE_FILE, 'config.json'}
-          and files.written_by_dspec(os.path.join(out, SINGLE_FILE)))
+_FORCE = flags.DEFINE_boolean('force', False, 'Replace a dspec checkpoint at --out whole, '
+                               'or write into an --out directory holding files dspec did '
+                               'not write (its config.json and model.safetensors are '
+                               'replaced; nothing else is touched).')
 
 
 def main(argv):
@@ -58,9 +54,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   from dspec import files
   from dspec.models.formats import DRAFTERS, kind_of
+  from dspec.models.formats.safetensors_io import is_export
   out = _OUT.value
-  files.check_distinct({'--out': out}, {'--path': _PATH.value})
-  files.check_output_dir(out, '--out', force=_FORCE.value, ours=_exported_by_dspec)
+  files.check_outputs({'--out': out}, {'--path': _PATH.value}, force=_FORCE.value,
+                      dirs={'--out': is_export})
   kind = kind_of(_PATH.value)
   if kind not in DRAFTERS:
     raise cli.UserError(f'{_PATH.value}: holds a {kind!r} model; export_drafter writes '
@@ -71,7 +68,7 @@ def main(argv):
     raise cli.UserError(f'--format={form}: dspec writes {kind} drafters in '
                         f'{" or ".join(writers)} form only')
   drafter = DRAFTERS[kind].load(_PATH.value)
-  writers[form](out, drafter, dtype=_DTYPE.value)
+  writers[form](out, drafter, dtype=_DTYPE.value, force=_FORCE.value)
   shape = (f'{drafter.cfg.num_depths} depths' if kind == 'mtp' else
            f'{drafter.cfg.num_layers} layers, taps {list(drafter.cfg.target_layer_ids)}')
   print(f'wrote {out}: {kind} drafter in {form} form, {shape} ({_DTYPE.value})')

@@ -17,7 +17,9 @@ The PNG holds one panel per mode with the two as bars side by side per slot, the
 (`--json`, default: --out with .json) the same numbers plus the prefix survival (mean
 Π_{j≤k} α_j against the calibrated Ŝ_k) and its ECE (`dspark_task.expected_calibration_error`).
 The temperatures were fitted on the first half of these blocks, so the ECE here is not
-fully held out; training's `ece` is (second half).
+fully held out; training's `ece` is (second half). Outputs follow dspec's output-path policy
+(`dspec.files.check_outputs`): an existing file dspec did not write is kept unless --force,
+and an output inside an input of the config is refused.
 """
 
 import os
@@ -35,6 +37,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'DSpark config (dspark
 _OUT = flags.DEFINE_string('out', None, 'PNG to write.', required=True)
 _JSON = flags.DEFINE_string('json', None, 'JSON to write (default: --out with .json).')
 _BATCH = flags.DEFINE_integer('batch_size', 8, 'Held-out rows per forward pass.')
+_FORCE = flags.DEFINE_bool('force', False, 'Replace --out / --json files dspec did not '
+                           'write.')
 
 
 def per_position(model, target, tokens, loss_mask, *, num_anchors: int,
@@ -88,7 +92,7 @@ def plot(report: dict, path: str, title: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
-  from dspec.files import write_atomic
+  from dspec.files import OUTPUT_KEY, write_atomic
 
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, layout='constrained')
   for ax, mode in zip(axes, ('sampled', 'greedy')):
@@ -104,7 +108,8 @@ def plot(report: dict, path: str, title: str) -> None:
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc='outside lower center', ncols=2)
   fig.suptitle(title)
-  write_atomic(path, lambda tmp: fig.savefig(tmp, format='png', dpi=110))
+  mark = {OUTPUT_KEY: 'dspark confidence plot'}   # `files.written_by_dspec` reads it
+  write_atomic(path, lambda tmp: fig.savefig(tmp, format='png', dpi=110, metadata=mark))
   plt.close(fig)
 
 
@@ -112,14 +117,16 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
-  from dspec import loading
+  from dspec import files, loading
   from dspec.decoding.drafter import checkpoint_path
-  from dspec.files import write_json_atomic
   from dspec.models.formats.dspark import load_dspark
   from dspec.training.distill import load_distilled, split_distilled
   cfg = _CONFIG.value
   if _BATCH.value < 1:
     raise cli.UserError(f'--batch_size must be >= 1, got {_BATCH.value}')
+  json_path = _JSON.value or os.path.splitext(_OUT.value)[0] + '.json'
+  files.check_outputs({'--out': _OUT.value, '--json': json_path}, files.config_inputs(cfg),
+                      force=_FORCE.value)
   target, _, _ = loading.build_target(cfg.model)
   path = checkpoint_path(cfg, 'dspark')
   model = load_dspark(path, num_target_layers=target.cfg.num_layers)
@@ -134,8 +141,7 @@ def main(argv):
   report.update(drafter=path, data=cfg.data.path)
   plot(report, _OUT.value, f'DSpark {os.path.basename(os.path.normpath(path))}: '
        f'{report["blocks"]} held-out blocks')
-  json_path = _JSON.value or os.path.splitext(_OUT.value)[0] + '.json'
-  write_json_atomic(json_path, report, indent=2)
+  files.write_json_atomic(json_path, files.mark(report, 'dspark confidence'), indent=2)
   for mode in ('sampled', 'greedy'):
     r = report[mode]
     print(f'{mode}: acceptance {[round(a, 3) for a in r["acceptance"]]} confidence '

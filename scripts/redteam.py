@@ -51,6 +51,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 CATEGORIES = ('ok', 'clean error', 'traceback', 'hang', 'silently wrong', 'data loss')
 BAD = ('traceback', 'hang', 'silently wrong', 'data loss')
+TABLE_TITLE = '# Red-team sweep'   # the first line of --table (how an earlier one is known)
 
 
 @dataclasses.dataclass
@@ -801,10 +802,10 @@ def convert_cases() -> list:
            check=keep, cwd='sb/sub'),
       c('out_user_dir_force', *src, '--out=keep', '--force', setup=hf(),
         message='not a dspec checkpoint', check=keep),
-      c('out_user_dir', *src, '--out=keep', setup=hf(), message='already exists',
+      c('out_user_dir', *src, '--out=keep', setup=hf(), message='did not write',
         check=keep),
       c('out_regular_file_force', *src, '--out=keep/thesis.tex', '--force', setup=hf(),
-        message='not a checkpoint directory', check=keep),
+        message='not a directory', check=keep),
       c('out_symlink_to_user_dir_force', *src, '--out=link', '--force',
         setup=lambda sb, fx: (hf()(sb, fx), os.symlink(f'{sb}/keep', f'{sb}/link')),
         message='symlink', check=keep),
@@ -1685,7 +1686,7 @@ def markdown_table(results: list, wall_s: float) -> str:
   """The counts per group and category, the command and the cases that were not clean."""
   groups = list(dict.fromkeys(r['group'] for r in results))
   head = ['group', 'cases', *CATEGORIES]
-  lines = ['# Red-team sweep', '',
+  lines = [TABLE_TITLE, '',
            f'`python scripts/redteam.py` ({time.strftime("%Y-%m-%d", time.gmtime())}, '
            f'{wall_s / 60:.0f} min on {os.cpu_count()} CPU cores): {len(results)} cases, '
            'each in its own subprocess and scratch directory (categories: the docstring of '
@@ -1710,7 +1711,16 @@ def main():
   parser.add_argument('--table', default='', help='also write the counts per group as a '
                       'markdown table here')
   parser.add_argument('--keep', action='store_true', help='keep the scratch directory')
+  parser.add_argument('--force', action='store_true', help='replace --json / --table files '
+                      'dspec did not write')
   args = parser.parse_args()
+  sys.path.insert(0, REPO)
+  from dspec import files   # the output-path policy, checked before the 45 minutes of cases
+  try:
+    files.check_outputs({'--json': args.json or None, '--table': args.table or None},
+                        force=args.force, ours={'--table': files.starts_with(TABLE_TITLE)})
+  except files.OutputPathError as e:
+    parser.exit(1, f'error: {e}\n')
   only = args.only.split(',')
   cases = [c for c in all_cases() if any(o in f'{c.group}/{c.name}' for o in only)]
   scratch = tempfile.mkdtemp(prefix='dspec-redteam-')
@@ -1736,11 +1746,10 @@ def main():
   for category in CATEGORIES:
     print(f'  {category:15s} {counts[category]}')
   if args.json:
-    with open(args.json, 'w') as f:
-      json.dump({'counts': counts, 'cases': results}, f, indent=1)
+    files.write_json_atomic(args.json, files.mark({'counts': counts, 'cases': results},
+                                                  'redteam'))
   if args.table:
-    with open(args.table, 'w') as f:
-      f.write(markdown_table(results, time.time() - t_start))
+    files.write_text_atomic(args.table, markdown_table(results, time.time() - t_start))
   bad = sum(counts[c] for c in BAD)
   sys.exit(1 if bad else 0)
 

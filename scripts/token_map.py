@@ -45,8 +45,8 @@ def main(argv):
   from dspec.training.distill import load_distilled
 
   out = _OUT.value
-  if os.path.exists(out) and not _FORCE.value:
-    raise cli.UserError(f'{out} exists (pass --force to replace it)')
+  files.check_outputs({'--out': out}, {'--data': _DATA.value, '--target': _TARGET.value},
+                      force=_FORCE.value)
   data = load_distilled(_DATA.value)
   ids = frequent_tokens(data['tokens'], data['loss_mask'], _SIZE.value,
                         _vocab_size(_TARGET.value), '--size')

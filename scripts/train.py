@@ -47,11 +47,9 @@ def main(argv):
                                  flags.FLAGS['config'].config_filename)
   workdir = _WORKDIR.value or cfg.training.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  files.check_distinct({'--workdir': workdir}, {
-      '--config.model.path': cfg.model.get('path'),
-      '--config.training.init_from': cfg.training.get('init_from')})
-  distributed.on_main(lambda: files.check_output_dir(workdir, '--workdir', force=_FORCE.value,
-                                                     ours=_trained_here))
+  distributed.on_main(lambda: files.check_outputs(
+      {'--workdir': workdir}, files.config_inputs(cfg), force=_FORCE.value,
+      dirs={'--workdir': _trained_here}))
   status(f'training {cfg.training.task} in {workdir} (metrics: one JSON line per '
          f'{cfg.training.log_every} steps, and {workdir}/train_log.jsonl)')
   result = tasks.run_training(cfg, workdir)

@@ -5,7 +5,8 @@
 Writes OUT_DIR/tokenizer.json and OUT_DIR/tokenizer_config.json (`<|endoftext|>` = id 0 is
 EOS, `<|mask|>` = id 1 is the spare DFlash MASK id). Only the training split of each corpus is
 used; documents are taken in a fixed hash order up to --max_chars, so the result is
-deterministic.
+deterministic. An OUT_DIR holding other files is refused unless --force (then only the two
+files are written), and so is one inside --data_dir.
 """
 
 import hashlib
@@ -16,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
 
-from dspec import cli  # noqa: E402
-from dspec.tokenizer import train_byte_level_bpe  # noqa: E402
+from dspec import cli, files  # noqa: E402
+from dspec.tokenizer import TOKENIZER_FILES, train_byte_level_bpe  # noqa: E402
 from dspec.datasets import (DEFAULT_HELDOUT_FRACTION, load_corpus,  # noqa: E402
                                    split_documents)
 
@@ -28,13 +29,22 @@ _DATA_DIR = flags.DEFINE_string('data_dir', 'data',
                                 'Folder holding gsm8k/ (relative paths: cwd, then project root).')
 _MAX_CHARS = flags.DEFINE_integer('max_chars', 30_000_000,
                                   'Stop adding documents once this many characters are taken.')
+_FORCE = flags.DEFINE_bool('force', False, 'Write the tokenizer files into an --out_dir '
+                           'that holds other files (nothing else in it is touched).')
 _CORPORA = ('python_stdlib', 'gsm8k')
+
+
+def _tokenizer_dir(out_dir: str) -> bool:
+  """An earlier --out_dir: it holds the tokenizer files and nothing else."""
+  return set(os.listdir(out_dir)) - {files.LOCK_FILE} <= set(TOKENIZER_FILES)
 
 
 def main(argv):
   del argv
   if _MAX_CHARS.value < 1:
     raise cli.UserError(f'--max_chars must be >= 1, got {_MAX_CHARS.value}')
+  files.check_outputs({'--out_dir': _OUT_DIR.value}, {'--data_dir': _DATA_DIR.value},
+                      force=_FORCE.value, dirs={'--out_dir': _tokenizer_dir})
   docs = [doc for name in _CORPORA
           for doc in split_documents(load_corpus(name, _DATA_DIR.value),
                                      DEFAULT_HELDOUT_FRACTION, 'train')]

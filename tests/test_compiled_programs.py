@@ -1,4 +1,4 @@
-"""Compiled programs are dropped only past the memory-mapping limit."""
+"""Compiled programs: dropped past the memory-mapping limit, program sets LRU-bounded."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,28 @@ def test_release_only_past_the_limit():
   assert f._cache_size() == 1
   assert compiled_programs.release_if_many_maps(limit=0)
   assert f._cache_size() == 0
+
+
+def test_program_sets_go_least_recently_used_first(monkeypatch):
+  """Past MAX_PROGRAM_SETS sets (per engine and shape) the least recently used goes, and
+  its executables with it."""
+  monkeypatch.setattr(compiled_programs, 'MAX_PROGRAM_SETS', 2)
+  built = []
+
+  @compiled_programs.ProgramCache
+  def programs(scale):
+    built.append(scale)
+    return {'f': jax.jit(lambda x: x * scale)}
+
+  first = programs(2, (3,))
+  first['f'](jnp.ones(3))
+  assert programs(2, (3,)) is first
+  programs(3, (3,))
+  programs(2, (3,))                        # used last: (3, (3,)) is the oldest now
+  programs(2, (4,))
+  assert len(programs) == 2 and first['f']._cache_size() == 1 and built == [2, 3, 2]
+  programs(4, (3,))
+  assert first['f']._cache_size() == 0 and built == [2, 3, 2, 4]
 
 
 def test_a_rerun_loads_every_program_from_the_persistent_cache(tmp_path):

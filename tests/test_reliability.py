@@ -994,3 +994,236 @@ def test_launch_local_refuses_unbounded_waits(flag, capsys, monkeypatch):
 def test_bad_knobs_are_one_error_line_from_decode(args, message):
   rc, _, stderr = _run_script('decode.py', *args, timeout=120)
   _one_error_line(rc, stderr, message)
+
+
+# ================================ round 4: outputs inside inputs, replacing, write failures
+# Every script's output flags go through one policy (`files.check_outputs`), which refuses
+# an output inside any input of the run; --force replaces a dspec output whole and a folder
+# never holds two models; a failed write is one line naming the output and replaces
+# nothing; one error hierarchy (`dspec.errors`) for the API and the scripts.
+
+_OUTPUT_FLAG = re.compile(r'(^|_)(out|json|table)($|_)|workdir')
+_INPUT_FLAGS = ('path', 'target', 'data', 'hf_dir', 'checkpoint', 'data_dir', 'drafters')
+# Scripts whose output checks live in the library function they call.
+_CHECKED_IN = {'distill.py': 'dspec/training/distill.py'}
+
+
+def _script_flags(source):
+  return re.findall(r"DEFINE_\w+\(\s*'(\w+)'", source) + re.findall(
+      r"add_argument\(\s*'--(\w+)'", source)
+
+
+def test_every_script_output_flag_goes_through_the_output_policy():
+  """A source scan: each output flag of a script (--out, --out_dir, --json, --table,
+  --workdir, --*_json, ...) is named in a `files.check_outputs` call, with the script's
+  path inputs (and its config's, `config_inputs`) as inputs; a new script cannot skip it."""
+  checked = []
+  for script in sorted(glob.glob(os.path.join(REPO_ROOT, 'scripts', '*.py'))):
+    name = os.path.basename(script)
+    source = open(script).read()
+    outputs = [f for f in _script_flags(source) if _OUTPUT_FLAG.search(f)]
+    if not outputs:
+      continue
+    checks = source + (open(os.path.join(REPO_ROOT, _CHECKED_IN[name])).read()
+                       if name in _CHECKED_IN else '')
+    assert 'check_outputs(' in checks, f'{name}: output flags {outputs} skip check_outputs'
+    for flag in outputs:
+      assert re.search(f"'--{flag}['\\[]", checks), f'{name}: --{flag} is not checked'
+    for flag in set(_script_flags(source)) & set(_INPUT_FLAGS):
+      assert re.search(f"'--{flag}['=]", checks), f'{name}: input --{flag} is not an input'
+    if re.search(r"define_config\(|DEFINE_config_file\(", source):
+      assert 'config_inputs(' in checks, f'{name}: its config\'s inputs are not inputs'
+    checked.append(name)
+  assert {'eval_drafter.py', 'bench_trees.py', 'benchmark.py', 'export_drafter.py',
+          'decode.py', 'redteam.py', 'bench_concurrency.py'} <= set(checked), checked
+
+
+def test_a_run_may_not_write_inside_any_input_of_its_config(tmp_path):
+  from configs import bench_demo
+  cfg = bench_demo.get_config('quick')
+  inputs = files.config_inputs(cfg)
+  assert inputs['--config.model.path'] == cfg.model.path
+  assert {'--config.data_dir', '--config.drafters.mtp.path', '--config.model.tokenizer_dir',
+          '--config.bench.variants.mtp_vocab.token_map'} <= set(inputs)
+  never = {'--out_dir': lambda d: False}
+  for out, named in [(os.path.join(cfg.data_dir, 'bench'), '--config.data_dir'),
+                     (cfg.model.path, '--config.model.path'),
+                     (os.path.join(cfg.drafters.mtp.path, 'x'), '--config.drafters.mtp')]:
+    with pytest.raises(files.OutputPathError, match=f'inside the input {named}'):
+      files.check_outputs({'--out_dir': out}, inputs, dirs=never)
+  files.check_outputs({'--out_dir': str(tmp_path / 'bench')}, inputs, dirs=never)
+
+
+def test_eval_drafter_refuses_an_out_inside_the_drafter_it_reads():
+  drafter = os.path.join(REPO_ROOT, 'demo', 'dflash2')
+  rc, _, stderr = _run_script('eval_drafter.py', '--kind=dflash2', f'--path={drafter}',
+                              f'--out={drafter}/eval.json', timeout=120)
+  _one_error_line(rc, stderr, 'inside the input --path')
+  assert not os.path.exists(os.path.join(drafter, 'eval.json'))
+
+
+def _eagle3(seed):
+  from dspec.models.eagle3 import Eagle3Config, Eagle3Model
+  return Eagle3Model(Eagle3Config(target_layer_ids=(1, 0), final_tap_normed=True), TINY,
+                     rngs=nnx.Rngs(seed))
+
+
+def _first_weight(model):
+  params = checkpoint.leaf_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return np.asarray(params[min(params)])
+
+
+def test_force_replaces_a_checkpoint_whole_and_a_folder_never_holds_two_drafters(tmp_path):
+  from dspec.models.eagle3 import save_eagle3
+  from dspec.models.formats import kind_of
+  from dspec.models.formats.eagle3 import load_eagle3, save_speculators
+  first, second = _eagle3(0), _eagle3(1)
+  out = tmp_path / 'drafter'
+  save_eagle3(out, first)
+  with pytest.raises(files.OutputPathError, match=r"holds another model's files \(metadata"):
+    save_speculators(out, second)                   # no force: the checkpoint stays
+  np.testing.assert_array_equal(_first_weight(load_eagle3(str(out), target_cfg=TINY)),
+                                _first_weight(first))
+  save_speculators(out, second, force=True)         # force: replaced whole
+  assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
+  assert sorted(os.listdir(tmp_path)) == ['drafter']   # nothing left beside it
+  np.testing.assert_array_equal(_first_weight(load_eagle3(str(out), target_cfg=TINY)),
+                                _first_weight(second))
+  with pytest.raises(CheckpointError, match='not a dspec checkpoint'):
+    save_eagle3(out, first, force=True)             # a save never mixes into an export
+  # A folder holding two drafters' files (however it came about) is refused by name.
+  mixed = tmp_path / 'mixed'
+  save_eagle3(mixed, first)
+  for name in ('config.json', 'model.safetensors'):
+    (mixed / name).write_bytes((out / name).read_bytes())
+  for load in (lambda: load_eagle3(str(mixed), target_cfg=TINY), lambda: kind_of(mixed)):
+    with pytest.raises(CheckpointError, match=re.escape(
+        f"{mixed}: holds two models' files, a dspec checkpoint (metadata/, state/) and "
+        'config.json, model.safetensors')):
+      load()
+
+
+def test_a_target_folder_with_two_models_is_refused(tmp_path, tiny_target):
+  import dspec
+  from dspec.hf_export import export_to_hf
+  path = tmp_path / 'target'
+  _save_target(path, tiny_target)
+  export_to_hf(tiny_target, tmp_path / 'hf')
+  for name in ('config.json', 'model.safetensors'):
+    (path / name).write_bytes((tmp_path / 'hf' / name).read_bytes())
+  with pytest.raises(CheckpointError, match="holds two models' files"):
+    dspec.load_target(str(path))
+
+
+def test_a_failed_file_write_names_the_output_and_replaces_nothing(tmp_path):
+  out = tmp_path / 'm.json'
+  files.write_json_atomic(str(out), files.mark({'v': 1}, 'test'))
+
+  def fail(tmp):
+    open(tmp, 'w').write('{"v": ')
+    raise OSError(28, 'No space left on device', tmp)
+
+  with pytest.raises(files.WriteError, match=f'^{re.escape(str(out))}: cannot write it '
+                     r'\(No space left on device\)'):
+    files.write_atomic(str(out), fail)
+  assert json.loads(out.read_text())['v'] == 1
+  assert sorted(os.listdir(tmp_path)) == ['m.json']
+
+
+def test_a_failed_export_keeps_the_previous_one_and_leaves_no_folder(tmp_path, monkeypatch):
+  from safetensors import SafetensorError
+  from dspec.models.formats import safetensors_io
+  from dspec.models.formats.eagle3 import save_speculators
+  out = tmp_path / 'export'
+  save_speculators(out, _eagle3(0))
+  before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+
+  def full_disk(*args, **kw):
+    raise SafetensorError('Error while serializing: I/O error: No space left on device '
+                          '(os error 28)')
+
+  monkeypatch.setattr(safetensors_io, 'save_file', full_disk)
+  for where in (out, tmp_path / 'new'):
+    with pytest.raises(files.WriteError, match=f'{re.escape(str(where))}: cannot write it '
+                       r'\(No space left on device\)'):
+      save_speculators(where, _eagle3(1), force=True)
+  assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+  assert sorted(os.listdir(tmp_path)) == ['export']
+
+
+def test_a_failed_checkpoint_save_keeps_the_previous_one(tmp_path, tiny_target, monkeypatch):
+  """Orbax reports a full disk as tensorstore's ValueError; its partial temporary folder
+  is removed."""
+  path = tmp_path / 'ckpt'
+  _save_target(path, tiny_target, extra={'v': 1})
+  real = checkpoint._checkpointer
+
+  class FullDisk:
+    def save(self, where, **kw):
+      os.makedirs(f'{where}.orbax-checkpoint-tmp/state')
+      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "w/0.0" at "{where}": Failed to '
+                       "write 201526 bytes: No space left on device [os_error_code='28']")
+
+  monkeypatch.setattr(checkpoint, '_checkpointer', FullDisk)
+  for where, force in ((path, True), (tmp_path / 'new', False)):
+    with pytest.raises(files.WriteError, match=f'^{re.escape(str(where))}: cannot write it '
+                       r'\(No space left on device\)'):
+      _save_target(where, tiny_target, force=force)
+  monkeypatch.setattr(checkpoint, '_checkpointer', real)
+  assert checkpoint.read_model_metadata(path, 'target')['extra'] == {'v': 1}
+  assert sorted(os.listdir(tmp_path)) == ['ckpt']
+
+
+def test_a_read_only_directory_is_one_error_naming_the_output(tmp_path, monkeypatch):
+  from dspec.models.formats.eagle3 import save_speculators
+  parent = tmp_path / 'ro'
+  parent.mkdir()
+  if os.geteuid() == 0:   # root writes through chmod: the kernel's refusal, monkeypatched
+    def read_only(path, *args, **kw):
+      raise OSError(30, 'Read-only file system', str(path))
+    monkeypatch.setattr(os, 'mkdir', read_only)
+    monkeypatch.setattr(files, 'open', read_only, raising=False)
+  else:
+    os.chmod(parent, 0o555)
+  try:
+    for write in (lambda: save_speculators(parent / 'x', _eagle3(0)),
+                  lambda: files.write_json_atomic(str(parent / 'm.json'), {'a': 1})):
+      with pytest.raises(files.WriteError, match=f'{re.escape(str(parent))}/(x|m.json): '
+                         'cannot write it'):
+        write()
+  finally:
+    monkeypatch.undo()
+    os.chmod(parent, 0o755)
+  assert os.listdir(parent) == []
+
+
+def test_one_error_hierarchy_for_the_api_and_the_scripts(api_target, tmp_path):
+  """Bad input and bad files are ValueErrors, refused or failed outputs OSErrors, all of
+  them DspecErrors; each API function raises what its docstring says."""
+  import dspec
+  from dspec import errors
+  from dspec.models.formats.drafter_dir import FormatError
+  for cls in (errors.UserError, CheckpointError, FormatError):
+    assert issubclass(cls, errors.DspecError) and issubclass(cls, ValueError)
+  for cls in (files.OutputPathError, files.WriteError, files.LockedError):
+    assert issubclass(cls, errors.DspecError) and issubclass(cls, OSError)
+  assert cli.UserError is errors.UserError and checkpoint.CheckpointError is CheckpointError
+  drafter = tmp_path / 'drafter'
+  checkpoint.save_model(drafter, _Toy(), kind='mtp', config={})
+  target = tmp_path / 'target'
+  _save_target(target, api_target.model)
+  for function, call, error in [
+      (dspec.load_target, lambda: dspec.load_target(str(drafter)), CheckpointError),
+      (dspec.load_target, lambda: dspec.load_target(123), ValueError),
+      (dspec.load_drafter, lambda: dspec.load_drafter('mtp', str(target), target=api_target),
+       CheckpointError),
+      (dspec.load_drafter, lambda: dspec.load_drafter('ngram', target=api_target,
+                                                      num_draft=4.0), ValueError),
+      (dspec.generate, lambda: dspec.generate(api_target, None), ValueError)]:
+    assert error.__name__ in function.__doc__, function.__name__
+    with pytest.raises(error):
+      call()
+    try:
+      call()
+    except ValueError:   # one `except` catches bad arguments and bad checkpoints alike
+      pass

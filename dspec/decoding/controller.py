@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from dspec import distributed
+from dspec.compiled_programs import ProgramCache
 from dspec.decoding import costs as costs_lib
 from dspec.decoding.costs import CostTable
 from dspec.decoding.drafter import NoDrafter, TruncatedDrafter
@@ -65,14 +66,16 @@ class VerifyLengthController:
   """Drop-in for a SpeculativeEngine in `runner.run_generation`: `prefill` then
   `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s).
   With a mesh `placement` every tier's engine is a `ShardedEngine`; with `tree` the
-  positive tiers are node budgets (module docstring; one device)."""
+  positive tiers are node budgets (module docstring; one device). `profiled`: tables
+  profiled before, by `costs.fingerprint`, read and extended (`_profile_or_load`)."""
 
   adaptive = True   # the engine protocol: picks its verify length (`tier_steps`)
 
   def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
                cost_table: Optional[CostTable] = None, trace: bool = False,
-               placement=None, tree: Optional[TreeConfig] = None):
+               placement=None, tree: Optional[TreeConfig] = None,
+               profiled: Optional[dict] = None):
     if tree is not None and trace:
       raise ValueError('verify_length=auto_tree records no trace (--trace_json: use tree or '
                        'auto)')
@@ -83,6 +86,9 @@ class VerifyLengthController:
     self.drafter = drafter
     self.tree = tree
     self.costs = cost_table or CostTable()
+    # Tables by `costs.fingerprint`; `runner.decode` shares `costs.PROFILED` across its
+    # controllers (one per call), so that calls in one shape bucket profile once.
+    self._profiled = {} if profiled is None else profiled
     tiers = {}
     for g in config.tiers:
       d = drafter if tree and g else tier_drafter(drafter, g)
@@ -115,14 +121,18 @@ class VerifyLengthController:
     self._carried = {}      # batch size -> pooled (α_G, π) at the end of the last one
 
   def _set_engines(self, engines):
-    """Engines per tier (each runs its chunks through `engine.run`) and the jitted shadow
-    proposal of the largest tier."""
+    """Engines per tier (each runs its chunks through `engine.run`)."""
     self.engines = engines
-    shadow = jax.jit(functools.partial(shadow_proposal, self._largest_chain))
-    self._shadow = self._on_mesh(shadow)
     # No tier can pay at this batch size: plain AR steps, no taps and no drafter update
     # (nothing will be proposed for the rest of the generation).
     self._plain_ar = self._make(NoDrafter())
+
+  def _shadow(self, target_params, drafter_params, state):
+    """`shadow_proposal` of the largest tier, jitted per engine and shape (not per
+    controller: `runner.decode` builds one per call)."""
+    chain = self._largest_chain
+    fn = _shadow_programs(chain, state.tokens_BL.shape)['shadow']
+    return self._on_mesh(fn)(target_params, drafter_params, state)
 
   def _on_mesh(self, fn):
     """`fn` called under the placement's mesh (kernels see it while tracing)."""
@@ -186,7 +196,8 @@ class VerifyLengthController:
     """Times every tier's step on copies of `state` (compiling first), and the largest
     tier's proposal alone; fills the table. Positive tiers verify their full width even
     where the drafter proposes nothing (`force_wide`): the table holds what a drafting step
-    costs, and `step_cost` what a step costs given how often rows propose."""
+    costs, and `step_cost` what a step costs given how often rows propose. The meta holds
+    the buffer length and the fewest steps a timed run ran (rows finish)."""
     b = state.tokens_BL.shape[0]
     steps = self.config.profile_steps
     propose = lambda: self._shadow(target_params, drafter_params, state)
@@ -197,44 +208,58 @@ class VerifyLengthController:
     # Compiled here, not in the first generation that runs plain AR to the end.
     jax.block_until_ready(self._plain_ar.run(target_params, drafter_params,
                                              jax.tree.map(lambda x: x.copy(), state), 1))
-    best = {}
+    best, fewest = {}, steps
     for r in range(self.config.profile_repeats + 1):   # round 0 compiles; rounds
       for g in self.tiers:                             # interleave tiers against drift
         copy = jax.tree.map(lambda x: x.copy(), state)
         t0 = time.perf_counter()
         out = self.engines[g].run(target_params, drafter_params, copy, steps,
                                   force_wide=g > 0)
-        done = max(int(distributed.host_values(out.step - state.step)), 1)
+        done = int(distributed.host_values(out.step - state.step))
         if r:
-          best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / done)
+          seconds = (time.perf_counter() - t0) / max(done, 1)
+          best[g] = min(best.get(g, float('inf')), seconds)
+          fewest = min(fewest, done)
     self.costs.costs.update({(b, g): c for g, c in best.items()})
-    self.costs.meta.update(buffer_len=int(state.tokens_BL.shape[1]))
+    self.costs.meta.update(buffer_len=int(state.tokens_BL.shape[1]), fewest_steps=fewest)
     return self.costs
 
   def _profile_or_load(self, target_params, drafter_params, state) -> None:
-    """The table from the cache beside the XLA cache (`costs.cached_path`) when this
-    model, drafter, shape and device were profiled before, else `profile` (and cached)."""
-    path = None if distributed.active() else costs_lib.cached_path(
-        (self.drafter, self.tiers, self.tree, self.sampling, self.config.profile_steps,
-         self.config.profile_repeats, self.placement and dict(self.placement.mesh.shape)),
-        (target_params, drafter_params, state))
-    if path and os.path.exists(path):
+    """The table of this model, drafter and state shape on this device: one profiled
+    before (`profiled`), else the one cached beside the XLA cache (`costs.cached_path`),
+    else `profile`, then kept in both unless some tier's timed run ran no step (every row
+    done: an immediate stop token), whose table serves this generation only."""
+    setup = (self.drafter, self.tiers, self.tree, self.sampling, self.config.profile_steps,
+             self.config.profile_repeats,
+             self.placement and dict(self.placement.mesh.shape))
+    arrays = (target_params, drafter_params, state)
+    key = costs_lib.fingerprint(setup, arrays)
+    path = None if distributed.active() else costs_lib.cached_path(setup, arrays)
+    b = state.tokens_BL.shape[0]
+    if key in self._profiled:
+      self.costs.update(self._profiled[key])
+    elif path and os.path.exists(path):
       try:
         self.costs.update(CostTable.load(path))
       except ValueError:   # a damaged cache entry: profiled again below, and rewritten
         pass
-    b = state.tokens_BL.shape[0]
-    if not self.costs.has(b, self.tiers):
-      self.profile(target_params, drafter_params, state)
-      if distributed.active():   # every process decides from process 0's timings
-        shared = distributed.broadcast_json(
-            [[[b, g, c] for (b, g), c in self.costs.costs.items()], self.costs.propose[b]])
-        self.costs.costs.update({(b, g): c for b, g, c in shared[0]})
-        self.costs.propose[b] = shared[1]
-      if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        CostTable({k: c for k, c in self.costs.costs.items() if k[0] == b},
-                  {b: self.costs.propose[b]}, self.costs.meta).save(path)
+    if self.costs.has(b, self.tiers):
+      self._profiled.setdefault(key, self.costs.of_batch(b))
+      return
+    self.profile(target_params, drafter_params, state)
+    if distributed.active():   # every process decides from process 0's timings
+      shared = distributed.broadcast_json(
+          [[[b, g, c] for (b, g), c in self.costs.costs.items()], self.costs.propose[b],
+           self.costs.meta['fewest_steps']])
+      self.costs.costs.update({(b, g): c for b, g, c in shared[0]})
+      self.costs.propose[b] = shared[1]
+      self.costs.meta['fewest_steps'] = shared[2]
+    if self.costs.meta['fewest_steps'] == 0:
+      return
+    self._profiled[key] = self.costs.of_batch(b)
+    if path:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      self._profiled[key].save(path)
 
   # --------------------------------------------------------------------- decoding
 
@@ -326,3 +351,9 @@ class VerifyLengthController:
     """{tier: fraction of row-steps} of the last `generate`."""
     steps = self.tier_steps()
     return {g: n / (sum(steps.values()) or 1) for g, n in steps.items()}
+
+
+@ProgramCache
+def _shadow_programs(chain) -> dict:
+  """The jitted `shadow_proposal` of a chain engine; one set per shape of its states."""
+  return {'shadow': jax.jit(functools.partial(shadow_proposal, chain))}

@@ -2,7 +2,8 @@
 
 Profiled tables are cached beside the persistent XLA cache (`cached_path`: a
 `controller_costs/` folder in `jax_compilation_cache_dir`, none when that cache is off), so
-a second run of the same job on the same machine neither compiles nor profiles.
+a second run of the same job on the same machine neither compiles nor profiles; and in this
+process (`PROFILED`) for `runner.decode`'s controllers.
 """
 
 from __future__ import annotations
@@ -27,19 +28,27 @@ def cache_dir() -> Optional[str]:
   return os.path.join(xla_dir, CACHE_SUBDIR) if xla_dir else None
 
 
-def cached_path(setup, arrays) -> Optional[str]:
-  """The cache file of a table measured for `setup` (reprs of drafter, tiers, sampling,
-  mesh, ...) and the shapes and dtypes of `arrays` (params, decode state) on this backend
-  and device kind, or None when caching is off."""
-  folder = cache_dir()
-  if folder is None:
-    return None
+def fingerprint(setup, arrays) -> str:
+  """A key of the tables measured for `setup` (reprs of drafter, tiers, sampling, mesh,
+  ...) and the shapes and dtypes of `arrays` (params, decode state) on this backend and
+  device kind."""
   shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
   # Reprs name functions by address (`<function f at 0x7f..>`): stable without it.
-  fingerprint = [re.sub(r' at 0x[0-9a-f]+', '', repr(setup)), shapes, jax.default_backend(), jax.devices()[0].device_kind,
-                 jax.device_count(), jax.__version__]
-  digest = hashlib.sha256(json.dumps(fingerprint, default=str).encode())
-  return os.path.join(folder, digest.hexdigest()[:32] + '.json')
+  key = [re.sub(r' at 0x[0-9a-f]+', '', repr(setup)), shapes, jax.default_backend(),
+         jax.devices()[0].device_kind, jax.device_count(), jax.__version__]
+  return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:32]
+
+
+def cached_path(setup, arrays) -> Optional[str]:
+  """The cache file of the table of `fingerprint(setup, arrays)`, or None when caching is
+  off."""
+  folder = cache_dir()
+  return folder and os.path.join(folder, fingerprint(setup, arrays) + '.json')
+
+
+# Tables profiled in this process, by `fingerprint`: what `runner.decode` shares across its
+# controllers (one per call), so that generate calls in one shape bucket profile once.
+PROFILED: Dict[str, 'CostTable'] = {}
 
 
 class CostTable:
@@ -57,6 +66,11 @@ class CostTable:
     self.costs.update(other.costs)
     self.propose.update(other.propose)
     self.meta.update(other.meta)
+
+  def of_batch(self, batch: int) -> 'CostTable':
+    """A copy of the entries of one batch size (and the meta)."""
+    return CostTable({k: c for k, c in self.costs.items() if k[0] == batch},
+                     {batch: self.propose[batch]}, self.meta)
 
   def has(self, batch: int, tiers) -> bool:
     return batch in self.propose and all((batch, g) in self.costs for g in tiers)

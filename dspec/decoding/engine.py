@@ -16,8 +16,10 @@ so it costs an AR step.
 One step driver: `run_fn` runs steps inside one `lax.while_loop` until every row is done,
 `max_steps` steps ran, or (`until_row_done`) some live row finished. `generate`, the
 verify-length controller's chunks and continuous batching all call `run`; the host loop
-calls `step` with a host-made proposal. Compiled programs are cached per engine as closures
-(the engine's hash is computed once), so a call costs no static-argument hashing.
+calls `step` with a host-made proposal. Compiled programs are cached per engine and token
+buffer shape as closures (the engine's hash is computed once), so a call costs no
+static-argument hashing, in an LRU (`compiled_programs.ProgramCache`) that bounds what a
+long-lived process holds.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspec.compiled_programs import ProgramCache
 from dspec.decoding import drafter as drafter_lib
 from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.state import (DecodeState, DecodeStats, DecodeTrace, DraftContext,
@@ -279,13 +282,16 @@ class SpeculativeEngine:
   # ---------------------------------------------------------------- jitted entry points
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
-              temperature=0.0, top_p=1.0, max_new_tokens, seed=0) -> DecodeState:
-    buffer_len = self.buffer_len(prompt_BP.shape[1], max_new_tokens)
+              temperature=0.0, top_p=1.0, max_new_tokens, seed=0,
+              buffer_len: Optional[int] = None) -> DecodeState:
+    """`prefill_fn` jitted. buffer_len: at least the prompt width and every row's prompt +
+    max_new_tokens (`runner.decode` passes a shape bucket); None: `self.buffer_len`."""
+    buffer_len = buffer_len or self.buffer_len(prompt_BP.shape[1], max_new_tokens)
     inputs = jax.device_put((np.asarray(prompt_BP, np.int32),
                              np.asarray(prompt_len_B, np.int32), np.float32(temperature),
                              np.float32(top_p), np.int32(max_new_tokens), np.int32(seed)))
-    return _programs(self)['prefill'](target_params, drafter_params, *inputs,
-                                      buffer_len=buffer_len)
+    return _programs(self, (prompt_BP.shape[0], buffer_len))['prefill'](
+        target_params, drafter_params, *inputs, buffer_len=buffer_len)
 
   def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
           until_row_done: bool = False, force_wide: bool = False) -> DecodeState:
@@ -295,13 +301,15 @@ class SpeculativeEngine:
     limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
     force_wide = device_scalar(bool(force_wide), np.bool_)
     name = 'run_until_row_done' if until_row_done else 'run'
-    return _programs(self)[name](target_params, drafter_params, state, limit, force_wide)
+    programs = _programs(self, state.tokens_BL.shape)
+    return programs[name](target_params, drafter_params, state, limit, force_wide)
 
   def generate(self, target_params, drafter_params, state) -> DecodeState:
     return self.run(target_params, drafter_params, state)
 
   def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
-    return _programs(self)['step'](target_params, drafter_params, state, proposal)
+    return _programs(self, state.tokens_BL.shape)['step'](target_params, drafter_params,
+                                                          state, proposal)
 
 
 def _first_false(mask_BG):
@@ -317,9 +325,9 @@ def _once_if(pred, fn, carry):
                             lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), carry))[1]
 
 
-@functools.lru_cache(maxsize=64)
+@ProgramCache
 def _programs(engine: SpeculativeEngine) -> dict:
-  """The engine's jitted programs, built once per engine."""
+  """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
   return {
       'prefill': jax.jit(engine.prefill_fn, static_argnames=('buffer_len',)),
       'run': jax.jit(engine.run_fn, donate_argnums=2),

@@ -7,16 +7,47 @@ from typing import Sequence
 import numpy as np
 
 
+MIN_BUCKET = 64   # the smallest shape bucket (`shape_bucket`)
+
+
+def shape_bucket(length: int, cap: int) -> int:
+  """The least MIN_BUCKET * 2^k >= `length`, at most `cap` unless `length` exceeds it."""
+  bucket = MIN_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, max(cap, length))
+
+
+def bucket_shapes(longest: int, max_new_tokens: int, cap: int) -> tuple[int, int]:
+  """(prompt width, token buffer length) for prompts of at most `longest` tokens: the
+  buffer the `shape_bucket` of longest + max_new_tokens, the width one less than that of
+  longest + 1 (the buffer keeps a slot past the prompt width, where drafters read the first
+  generated token). `cap`: the model context.
+
+  `runner.decode` (so `dspec.generate`) pads to these, so a process compiles per bucket,
+  not per prompt length or max_new_tokens. With n buckets up to the context (7 for 4096
+  tokens) it holds at most n (n + 1) / 2 prefill programs (width < buffer) and, per buffer
+  bucket, one chunk program per verify tier plus the controller's few (plain AR, shadow
+  proposal, judging), each for every batch size, sampling mode and drafter in use. The
+  padding is masked as in a ragged batch (positions and outputs unchanged); its price is a
+  prefill over up to twice the prompt and attention over up to twice the buffer.
+  """
+  return (shape_bucket(longest + 1, cap) - 1,
+          shape_bucket(longest + max_new_tokens, cap))
+
+
 def pad_prompts(rows: Sequence[Sequence[int]], batch_size: int = 0,
-                width_multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
-  """(prompt_BP int32, prompt_len_B int32): rows right-padded with 0 to one width (rounded
-  up to `width_multiple`); with `batch_size` > len(rows) the rows repeat cyclically."""
+                width_multiple: int = 1, min_width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt_BP int32, prompt_len_B int32): rows right-padded with 0 to one width (at
+  least `min_width`, rounded up to `width_multiple`); with `batch_size` > len(rows) the
+  rows repeat cyclically."""
   rows = [list(r) for r in rows]
   if not rows or min(len(r) for r in rows) < 1:
     raise ValueError('prompts must be a non-empty list of non-empty token lists')
   if batch_size:
     rows = [rows[i % len(rows)] for i in range(batch_size)]
-  width = -(-max(len(r) for r in rows) // width_multiple) * width_multiple
+  width = max(min_width, *(len(r) for r in rows))
+  width = -(-width // width_multiple) * width_multiple
   prompt_BP = np.zeros((len(rows), width), np.int32)
   for i, r in enumerate(rows):
     prompt_BP[i, :len(r)] = r

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dspec import config_checks, datasets, loading, sharding
+from dspec.decoding import costs as costs_lib
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
@@ -27,7 +28,8 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.host_loop import (ARFallback, compile_step_widths, generate_host_loop,
                                      start_host_drafter)
 from dspec.decoding.policy import ControllerConfig
-from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts, row_tokens
+from dspec.decoding.prompts import (bucket_shapes, encode_prompts, generated_ids,
+                                    pad_prompts, row_tokens)
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.state import TreeTrace
@@ -94,8 +96,10 @@ class Target:
 
 def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
                    settings: Settings, host_factory: Optional[Callable] = None,
-                   host_fallback=None, controller: ControllerConfig = ControllerConfig()):
+                   host_fallback=None, controller: ControllerConfig = ControllerConfig(),
+                   buffer_len: Optional[int] = None):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
+  buffer_len: the token buffer's (`SpeculativeEngine.prefill`; None: the engine's own).
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
   while they stop paying; their set-up over the prompts (suffix tries) runs while the
   device prefills, as a server starts a request's host state on arrival, and the first
@@ -104,7 +108,8 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   t0 = time.perf_counter()
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
-                         max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+                         max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                         buffer_len=buffer_len)
   host = None if host_factory is None else host_factory()
   if host is not None:
     compile_step_widths(engine, target_params, drafter_params, state,   # first run only
@@ -143,13 +148,13 @@ class Generation:
 
 
 def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B,
-                      settings: Settings) -> list:
+                      settings: Settings, buffer_len: Optional[int] = None) -> list:
   """For each generation a warm-up (compile) run, then `timing_repeats` rounds that run
   every generation once in turn (interleaved, so the machine's drift falls on all alike;
   round r starts at generation r - 1, so none always runs first or after the same one);
   each result reports the medians of its timed runs (and every timed run's decode time,
   `decode_s_rounds`) and the last run's state. With `timing_repeats` 0 the single run is
-  the result (its time includes compilation)."""
+  the result (its time includes compilation). buffer_len: see `run_generation`."""
   n = len(generations)
   states, first_s = [None] * n, [0.0] * n
   times = [[] for _ in generations]        # (prefill s, decode s) of each timed run
@@ -159,7 +164,7 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
       t = time.perf_counter()
       states[i], prefill_s, decode_s = run_generation(
           g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
-          g.host_factory, g.host_fallback, g.controller)
+          g.host_factory, g.host_fallback, g.controller, buffer_len)
       if r == 0:
         first_s[i] = time.perf_counter() - t
       if r or not settings.timing_repeats:   # no timed rounds: the warm-up's time counts
@@ -232,7 +237,7 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
                        verify_length: str = 'auto', trace: bool = False,
                        controller: ControllerConfig = ControllerConfig(),
                        placement: Optional[sharding.Placement] = None,
-                       tree: TreeConfig = TreeConfig()):
+                       tree: TreeConfig = TreeConfig(), profiled: Optional[dict] = None):
   """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
   picks each chunk's verify length from `controller.tiers` (up to the drafter's num_draft;
   tier 0 is plain AR; with a mesh `placement` every tier's engine is sharded); with 'fixed'
@@ -241,7 +246,8 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
   (`drafter.tree_proposer`) in one target pass; with 'auto_tree' the controller picks each
   chunk's node budget: trees of g + 1 nodes for the tiers g < tree.num_nodes - 1 and
-  tree.num_nodes itself, or AR (tier 0)."""
+  tree.num_nodes itself, or AR (tier 0). profiled: the controller's profiled tables
+  (`VerifyLengthController`)."""
   check_verify_length(verify_length)
   gamma = drafter.num_draft
   if verify_length in ('tree', 'auto_tree'):
@@ -256,7 +262,7 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
       return VerifyLengthController(
           graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree, trace=trace,
           config=dataclasses.replace(controller, tiers=tuple(sorted(
-              budgets | {tree.num_nodes - 1}))))
+              budgets | {tree.num_nodes - 1}))), profiled=profiled)
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
     return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
                       max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
@@ -267,7 +273,7 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
   return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
                                 config=dataclasses.replace(controller, tiers=tiers),
-                                trace=trace, placement=placement)
+                                trace=trace, placement=placement, profiled=profiled)
 
 
 def _transfer_guard(debug: bool):
@@ -283,7 +289,10 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
-  batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. With
+  batch_size 0: one row per prompt; a larger batch repeats the prompts cyclically. The
+  prompt width and the token buffer are padded to shape buckets (`prompts.bucket_shapes`),
+  so calls on other prompt lengths and max_new_tokens in the same buckets reuse the
+  compiled programs and the controller's profile (`costs.PROFILED`). With
   `compare_ar`, AR runs on the same prompts (its timed runs interleaved with these) and
   the report gets `speedup` (AR decode time / this decode time; medians), `speedup_rounds`
   (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's).
@@ -299,7 +308,9 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
                         f'drafters.{registry.name_of(drafter)}.num_draft')
   if batch_size and batch_size < len(rows):
     raise ValueError(f'{len(rows)} prompts do not fit batch_size={batch_size}')
-  prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows))
+  width, buffer_len = bucket_shapes(max(map(len, rows)), settings.max_new_tokens,
+                                    target.max_seq_len)
+  prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows), min_width=width)
   graphdef, target_params = target.split()
   stop_ids = tuple(target.tokenizer.stop_ids)
   wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
@@ -307,7 +318,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
     drafter_params = placement.put_params(drafter_params)
   engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=verify_length,
                               trace=trace, controller=controller, placement=placement,
-                              tree=tree)
+                              tree=tree, profiled=costs_lib.PROFILED)
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
   if host_factory and verify_length == 'auto' and not placement:
@@ -321,7 +332,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
             f'decoding (warm-up + {settings.timing_repeats} timed runs)') +
            (', AR interleaved' if compare_ar else ''))
   with _transfer_guard(debug):
-    *ar, run = timed_generations(generations, prompt_BP, prompt_len_B, settings)
+    *ar, run = timed_generations(generations, prompt_BP, prompt_len_B, settings, buffer_len)
   ar = ar[0] if ar else None
   state = run['state']
   ids = generated_ids(state)[:len(rows)]

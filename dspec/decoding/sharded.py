@@ -61,13 +61,13 @@ class ShardedEngine:
     return self._fns[kind, key]
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
-              temperature=0.0, top_p=1.0, max_new_tokens, seed=0):
+              temperature=0.0, top_p=1.0, max_new_tokens, seed=0, buffer_len=None):
     b, p = prompt_BP.shape
     multiple = self.placement.batch_size_multiple
     if b % multiple:
       raise ValueError(f'batch size {b} is not divisible by the mesh batch axes '
                        f'(size {multiple}); use a multiple of {multiple}')
-    buffer_len = self.engine.buffer_len(p, max_new_tokens)
+    buffer_len = buffer_len or self.engine.buffer_len(p, max_new_tokens)
     args = (target_params, drafter_params, prompt_BP, prompt_len_B, temperature, top_p,
             max_new_tokens, seed)
 

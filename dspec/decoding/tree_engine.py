@@ -19,13 +19,13 @@ at most `num_nodes` nodes. A step:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspec.compiled_programs import ProgramCache
 from dspec.config_checks import check_int
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine, device_scalar
 from dspec.decoding.state import DecodeState, TreeTrace
@@ -219,8 +219,9 @@ class TreeEngine:
     if not self.trace:
       return state
     max_steps = state.stats.row0_committed_S.shape[0]
-    return state.replace(trace=_programs(self)['trace_zeros'](max_steps, self.num_nodes,
-                                                              self.max_depth))
+    programs = _programs(self, state.tokens_BL.shape)
+    return state.replace(trace=programs['trace_zeros'](max_steps, self.num_nodes,
+                                                       self.max_depth))
 
   def run(self, target_params, drafter_params, state, max_steps=None,
           force_wide: bool = False) -> DecodeState:
@@ -228,13 +229,15 @@ class TreeEngine:
     profile) changes nothing: every step verifies all of its tree's nodes."""
     del force_wide
     limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
-    return _programs(self)['run'](target_params, drafter_params, state, limit)
+    return _programs(self, state.tokens_BL.shape)['run'](target_params, drafter_params,
+                                                         state, limit)
 
   def generate(self, target_params, drafter_params, state) -> DecodeState:
     return self.run(target_params, drafter_params, state)
 
 
-@functools.lru_cache(maxsize=16)
+@ProgramCache
 def _programs(engine: TreeEngine) -> dict:
+  """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
   return {'run': jax.jit(engine.run_fn, donate_argnums=2),
           'trace_zeros': jax.jit(TreeTrace.zeros, static_argnums=(0, 1, 2))}

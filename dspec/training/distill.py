@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from dspec import checkpoint, config_checks, datasets, distributed
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.files import (check_distinct, check_output_dir, directory_lock, write_atomic,
+from dspec.files import (check_outputs, config_inputs, directory_lock, write_atomic,
                          write_json_atomic)
 from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.decoding.runner import Settings
@@ -158,12 +158,9 @@ def distill(cfg, out_dir: str, force: bool = False) -> dict:
                   seed=cfg.seed).sampling()
   if not out_dir:
     raise ValueError('empty --out_dir')
-  check_distinct({'--out_dir': out_dir}, {'--config.model.path': cfg.model.path,
-                                          '--config.model.tokenizer_dir':
-                                              cfg.model.get('tokenizer_dir')})
-  distributed.on_main(lambda: check_output_dir(
-      out_dir, '--out_dir', force=force,
-      ours=lambda d: os.path.exists(os.path.join(d, _MANIFEST))))
+  distributed.on_main(lambda: check_outputs(
+      {'--out_dir': out_dir}, config_inputs(cfg), force=force,
+      dirs={'--out_dir': lambda d: os.path.exists(os.path.join(d, _MANIFEST))}))
   target, tokenizer, _ = build_target(cfg.model)
   prompts = _encode_prompts(cfg, tokenizer)
   if not prompts:

@@ -13,7 +13,9 @@ import json
 import os
 from typing import Sequence
 
-from dspec.files import write_json_atomic, write_text_atomic
+from dspec.files import LOCK_FILE, write_json_atomic, write_text_atomic
+
+RESULTS_JSON, RESULTS_MD = 'results.json', 'results.md'
 
 
 def variant_config(base, overrides):
@@ -42,6 +44,13 @@ def last_eval(workdir: str) -> dict:
   return evaluated[-1] if evaluated else {}
 
 
+def is_sweep_dir(out_dir: str, variants: Sequence) -> bool:
+  """Whether `out_dir` holds only what a sweep of `variants` writes: their workdirs and
+  the results table (an earlier run, which this one resumes)."""
+  ours = {name for name, _ in variants} | {RESULTS_JSON, RESULTS_MD, LOCK_FILE}
+  return set(os.listdir(out_dir)) <= ours
+
+
 def run_sweep(base, variants: Sequence, out_dir: str, metrics: Sequence[str],
               only: Sequence[str] = ()) -> list:
   """Trains every variant (or those named in `only`); returns one row per variant and
@@ -61,8 +70,8 @@ def run_sweep(base, variants: Sequence, out_dir: str, metrics: Sequence[str],
       rows.append({'variant': name, 'overrides': [list(o) for o in overrides],
                    'step': result.get('step'), 'elapsed_s': result.get('elapsed_s'),
                    **{m: result.get(f'eval/{m}') for m in metrics}})
-  write_json_atomic(os.path.join(out_dir, 'results.json'), rows)
-  write_text_atomic(os.path.join(out_dir, 'results.md'), markdown_table(rows, metrics))
+  write_json_atomic(os.path.join(out_dir, RESULTS_JSON), rows)
+  write_text_atomic(os.path.join(out_dir, RESULTS_MD), markdown_table(rows, metrics))
   return rows
 
 

@@ -63,18 +63,18 @@ def _random_dflash(path):
 
 def test_sampled_run_with_a_learned_drafter(tmp_path):
   _random_dflash(tmp_path / 'dflash')
-  proc = _run(tmp_path, '--drafter=dflash', '--concurrency=1', '--gammas=3,7',
+  proc = _run(tmp_path / 'out', '--drafter=dflash', '--concurrency=1', '--gammas=3,7',
               f'--config.drafters.dflash.path={tmp_path / "dflash"}',
               '--config.temperature=1.0', '--config.top_p=0.9')
   assert proc.returncode == 0, proc.stderr[-2000:]
-  out = json.loads((tmp_path / 'concurrency.json').read_text())
+  out = json.loads((tmp_path / 'out' / 'concurrency.json').read_text())
   assert out['temperature'] == 1.0 and out['top_p'] == 0.9
   # dflash γ=7 is past its trained block: the drafter's own check refuses it.
   assert [r['method'] for r in out['rows']] == ['ar', 'dflash γ=3', 'dflash controller']
   assert 'block' in out['skipped']['dflash γ=7'] or '3' in out['skipped']['dflash γ=7']
   assert out['tiers'] == {'dflash': [0, 3]}
   assert all(r['lossless'] is None for r in out['rows'])
-  assert 'not checked at T > 0' in (tmp_path / 'concurrency.md').read_text()
+  assert 'not checked at T > 0' in (tmp_path / 'out' / 'concurrency.md').read_text()
 
 
 def test_unknown_drafter_is_one_line(tmp_path):

@@ -34,12 +34,14 @@ def test_draft_cost_cli_on_a_tiny_target_and_the_family_plot(tmp_path):
   png, table = tmp_path / 'family.png', tmp_path / 'family.md'
   proc = subprocess.run(
       [sys.executable, 'scripts/plot_tau_vs_draft.py', f'--trees={trees}', f'--costs={out}',
-       f'--out={png}', f'--table={table}'],
+       f'--wide_ar={out}', f'--out={png}', f'--table={table}'],
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   line = [l for l in table.read_text().splitlines() if l.startswith('| dflash')][0]
   assert '| 1.75 | 2.00 | 1.25 | 0.50 0.25 |' in line, line
+  in_ar_steps = f'{result["draft_in_ar_steps"]:.2f}'   # the same AR step twice here
+  assert line.endswith(f'| {in_ar_steps} | {in_ar_steps} |'), line
 
 
 def test_draft_cost_cli_bad_drafter_is_one_line(tmp_path):

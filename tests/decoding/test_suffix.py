@@ -470,7 +470,8 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
   copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4 + 2)]
   jax.block_until_ready(copies)
   compile_step_widths(engine, params, None, state, fallback)
-  programs = (_programs(engine)['step'], _try_then_run(engine, fallback.engine),
+  programs = (_programs(engine, state.tokens_BL.shape)['step'],
+              _try_then_run(engine, fallback.engine),
               _committed_since)
   compiled = [p._cache_size() for p in programs]
   for width in (1, 2, 4):

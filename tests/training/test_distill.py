@@ -92,7 +92,8 @@ def test_token_map_script_ranks_written_tokens(tiny_cfg, tmp_path):
   proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr
   assert [line for line in proc.stderr.splitlines() if line.startswith('error: ')] == \
-      [f'error: {token_map} exists (pass --force to replace it)']
+      [f'error: --out={token_map}: exists and was not written by dspec; refusing to '
+       'replace it (pass --force to replace it)']
   assert token_map.read_text() == 'mine'
 
 

@@ -187,7 +187,7 @@ def test_eval_drafter_cli_writes_the_table_and_refuses_bad_input(tmp_path):
 
   other = tmp_path / 'notes.json'
   other.write_text('{"mine": 1}')
-  for args, words in [([f'--data={data}', f'--out={other}'], 'not written by eval_drafter'),
+  for args, words in [([f'--data={data}', f'--out={other}'], 'not written by dspec'),
                       ([f'--data={data}', '--path=/nonexistent/x'], 'no such directory')]:
     done = _eval_drafter(*args)
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(

@@ -292,8 +292,10 @@ def zlab_config(drafter: DFlashModel) -> dict:
   return config
 
 
-def save_zlab(path, drafter: DFlashModel, *, dtype: str = 'float32') -> None:
+def save_zlab(path, drafter: DFlashModel, *, dtype: str = 'float32',
+              force: bool = False) -> None:
   """Writes `config.json` + `model.safetensors` in z-lab form (loadable by
-  `dflash.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained`)."""
-  write_model_dir(path, zlab_config(drafter),
-                  stored_tensors(drafter, lambda name: torch_name(name, True), dtype), dtype)
+  `dflash.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained`); `force`: see
+  `write_model_dir`."""
+  tensors = stored_tensors(drafter, lambda name: torch_name(name, True), dtype)
+  write_model_dir(path, zlab_config(drafter), tensors, dtype, force=force)

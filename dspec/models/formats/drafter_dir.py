@@ -16,13 +16,13 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from dspec.config_checks import check_stored_config
-from dspec.errors import UserError
+from dspec.errors import CheckpointError, UserError
 from dspec.models.config import TransformerConfig
 from dspec.models.formats.config_fields import (PROPOSAL_FIELDS, SPECULATORS_CONFIG_FIELDS,
                                                 SPECULATORS_FIELDS, VERIFIER_FIELDS,
                                                 unknown_fields)
 from dspec.models.formats.hf_config import rope_theta
-from dspec.models.formats.safetensors_io import read_params, read_tensor
+from dspec.models.formats.safetensors_io import check_one_model, read_params, read_tensor
 
 ZLAB_ARCHITECTURES = {'DFlashDraftModel': 'dflash', 'DFlash2DraftModel': 'dflash2'}
 # How each form with a config.json is recognised (the words of a wrong-form error).
@@ -37,7 +37,7 @@ _KIND_NAMES = {int: 'an integer', float: 'a number', bool: 'true or false', list
                dict: 'an object'}
 
 
-class FormatError(ValueError):
+class FormatError(CheckpointError):
   """A drafter directory that does not follow its format (one line: file and key)."""
 
 
@@ -62,10 +62,12 @@ def read_json(path: str) -> dict:
 
 def read_config(path) -> Optional[dict]:
   """The `config.json` of a drafter directory, or None when it has none (a dspec
-  checkpoint); FileNotFoundError when the directory does not exist."""
+  checkpoint); FileNotFoundError when the directory does not exist, CheckpointError when it
+  holds two models' files (`check_one_model`)."""
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'{path}: no such drafter directory')
+  check_one_model(path)
   config_path = os.path.join(path, 'config.json')
   return read_json(config_path) if os.path.exists(config_path) else None
 

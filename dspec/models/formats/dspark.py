@@ -133,7 +133,9 @@ def speculators_config(drafter: DSparkModel) -> dict:
   return config
 
 
-def save_speculators(path, drafter: DSparkModel, *, dtype: str = 'float32') -> None:
-  """Writes `config.json` + `model.safetensors` in speculators' DSpark form."""
-  write_model_dir(path, speculators_config(drafter),
-                  stored_tensors(drafter, lambda name: torch_name(name, False), dtype), dtype)
+def save_speculators(path, drafter: DSparkModel, *, dtype: str = 'float32',
+                     force: bool = False) -> None:
+  """Writes `config.json` + `model.safetensors` in speculators' DSpark form; `force`: see
+  `write_model_dir`."""
+  tensors = stored_tensors(drafter, lambda name: torch_name(name, False), dtype)
+  write_model_dir(path, speculators_config(drafter), tensors, dtype, force=force)

@@ -245,9 +245,11 @@ def speculators_config(model: Eagle3Model) -> dict:
       **{k: getattr(cfg, k) for k in _NORM_FLAGS})
 
 
-def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32') -> None:
+def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32',
+                     force: bool = False) -> None:
   """Writes config.json + model.safetensors in speculators form (t2d/d2t included, and
-  `embed_tokens.weight` when the drafter has its own embedding)."""
+  `embed_tokens.weight` when the drafter has its own embedding); `force`: see
+  `write_model_dir`."""
   config = speculators_config(model)
   tensors = stored_tensors(model, _stored_name, dtype)
   if model.cfg.draft_vocab:
@@ -256,4 +258,4 @@ def save_speculators(path, model: Eagle3Model, *, dtype: str = 'float32') -> Non
     t2d[ids] = True
     tensors['t2d'] = t2d
     tensors['d2t'] = np.asarray(ids - np.arange(len(ids)), np.int64)
-  write_model_dir(path, config, tensors, dtype)
+  write_model_dir(path, config, tensors, dtype, force=force)

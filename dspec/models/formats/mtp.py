@@ -253,7 +253,9 @@ def speculators_config(mtp: MTP) -> dict:
           verifier=dict(architectures=['Qwen3ForCausalLM'], name_or_path=None)))
 
 
-def save_speculators(path, mtp: MTP, *, dtype: str = 'float32') -> None:
-  """Writes config.json + model.safetensors in speculators `mtp` form."""
+def save_speculators(path, mtp: MTP, *, dtype: str = 'float32',
+                     force: bool = False) -> None:
+  """Writes config.json + model.safetensors in speculators `mtp` form; `force`: see
+  `write_model_dir`."""
   write_model_dir(path, speculators_config(mtp), stored_tensors(mtp, _speculators_name, dtype),
-                  dtype)
+                  dtype, force=force)

@@ -14,7 +14,7 @@ from dspec.models.formats.drafter_dir import ZLAB_ARCHITECTURES, form_of, read_c
 @dataclasses.dataclass(frozen=True)
 class DrafterFormats:
   """load(path, **options) -> model, from any form the kind reads; writers: published
-  form -> save(path, model, *, dtype), the first one the default."""
+  form -> save(path, model, *, dtype, force), the first one the default."""
 
   load: Callable
   writers: Mapping[str, Callable]

@@ -1,5 +1,6 @@
 """Safetensors model directories: which file holds each tensor, reading a model's params
-from them, writing `config.json` + `model.safetensors`.
+from them, writing `config.json` + `model.safetensors`, and refusing a directory that holds
+two models' files (`check_one_model`).
 
 Stored tensors are torch's layout: a dspec kernel [in, out] is stored transposed as a
 `.weight` [out, in]; every reader and writer says per param whether it is transposed.
@@ -19,11 +20,13 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from dspec.checkpoint import leaf_paths
-from dspec.files import OUTPUT_KEY, write_atomic, write_json_atomic
+from dspec import files
+from dspec.checkpoint import is_checkpoint_dir, leaf_paths
+from dspec.errors import CheckpointError
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
+_CHECKPOINT_ITEMS = ('state', 'metadata')   # a dspec (orbax) checkpoint's
 
 
 def open_safetensors(path: str):
@@ -117,13 +120,71 @@ def stored_tensors(model: nnx.Module, stored_name: Callable, dtype: str) -> dict
   return tensors
 
 
-def write_model_dir(path, config: dict, tensors: dict, dtype: str) -> None:
-  """Writes `config.json` (with its `dtype` key set) and `model.safetensors` into the
-  directory `path`, each atomically; the safetensors header marks the file as dspec's
-  (`dspec.files.written_by_dspec`), so a later export may replace it."""
+def model_files(path) -> tuple[list, list]:
+  """(a dspec checkpoint's items, a published form's files) in directory `path`: state/
+  and metadata/; config.json, safetensors files and their index."""
+  names = set(os.listdir(path))
+  published = {n for n in names
+               if n in ('config.json', INDEX_FILE) or n.endswith('.safetensors')}
+  return sorted(names & set(_CHECKPOINT_ITEMS)), sorted(published)
+
+
+def check_one_model(path) -> None:
+  """CheckpointError naming `path` and what it found when the directory holds two models'
+  files (read as either, it would silently give one of them): a dspec checkpoint beside
+  a config.json or safetensors, or model.safetensors beside a sharded index."""
   path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
-  metadata = {'format': 'pt', OUTPUT_KEY: 'drafter export'}
-  write_atomic(os.path.join(path, SINGLE_FILE),
-               lambda tmp: save_file(tensors, tmp, metadata=metadata))
-  write_json_atomic(os.path.join(path, 'config.json'), dict(config, dtype=dtype), indent=2)
+  if '://' in path or not os.path.isdir(path):
+    return
+  items, published = model_files(path)
+  if items and published:
+    found = (f'a dspec checkpoint ({", ".join(i + "/" for i in items)}) and '
+             f'{", ".join(published)}')
+  elif SINGLE_FILE in published and INDEX_FILE in published:
+    found = f'both {os.path.join(path, SINGLE_FILE)} and {os.path.join(path, INDEX_FILE)}'
+  else:
+    return
+  raise CheckpointError(f'{path}: holds two models\' files, {found}; refusing to guess '
+                        'which one to load (move one of them to a directory of its own)')
+
+
+def is_export(path) -> bool:
+  """Whether directory `path` holds an earlier `write_model_dir` output and nothing else: a
+  dspec-marked model.safetensors beside config.json."""
+  try:
+    names = set(os.listdir(path)) - {files.LOCK_FILE}
+  except OSError:
+    return False
+  return (names == {SINGLE_FILE, 'config.json'}
+          and files.written_by_dspec(os.path.join(path, SINGLE_FILE)))
+
+
+def write_model_dir(path, config: dict, tensors: dict, dtype: str, *, force: bool = False,
+                    what: str = 'drafter export') -> None:
+  """Writes `config.json` (with its `dtype` key set) and `model.safetensors` as directory
+  `path`, both or neither (`files.write_dir`); the safetensors header marks the file as
+  dspec's `what` (`dspec.files.written_by_dspec`), so a later export may replace it.
+
+  An earlier export at `path` (`is_export`) is replaced whole, and so is a dspec checkpoint
+  with `force`; into any other directory only the two files go, and one that holds another
+  model's files is refused (so it never holds two models).
+  """
+  path = os.fspath(path)
+  replace = os.path.isdir(path) and (is_export(path) or (force and is_checkpoint_dir(path)))
+  if os.path.isdir(path) and not replace:
+    items, published = model_files(path)
+    others = items + [n for n in published if n not in (SINGLE_FILE, 'config.json')]
+    if others:
+      raise files.OutputPathError(
+          f'{path}: holds another model\'s files ({", ".join(others)}); refusing to write '
+          'a second model beside them (give a new directory)')
+  metadata = {'format': 'pt', files.OUTPUT_KEY: what}
+
+  def write(tmp):
+    os.makedirs(tmp)
+    files.write_atomic(os.path.join(tmp, SINGLE_FILE),
+                       lambda file: save_file(tensors, file, metadata=metadata))
+    files.write_json_atomic(os.path.join(tmp, 'config.json'), dict(config, dtype=dtype),
+                            indent=2)
+
+  files.write_dir(path, write, replace=replace)
