@@ -79,7 +79,7 @@ def main(argv):
   costs = _by_path(_COSTS.value)
   wide_ar_s = _ar_step_s(next(iter(_by_path([_WIDE.value]).values()))) if _WIDE.value else 0
   lines = ['| drafter | checkpoint | τ chain, T=0 | τ tree 32, T=0 | τ chain, T=1 | '
-           'slots 1–5: p(accept | earlier) | draft pass ms | AR steps, small | '
+           'slots 1–5: acceptance given the earlier ones | draft pass ms | AR steps, small | '
            'AR steps, wide |', '|---|---|---|---|---|---|---|---|---|']
   points = []
   for row in [r for r in trees['rows'] if r['T'] == 0.0]:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The DFlash depth sweep (configs/dflash_demo.py:deep): one drafter per depth, each pinned to
 # one core and niced, resuming from its workdir checkpoint, else from a committed export
-# (demo/train_state/dflash_l<N>: bf16 params + train_step; fresh AdamW moments).
+# (demo/train_state/dflash_l<N>: bf16 params + train_step; fresh AdamW moments). Finished
+# depths ship as drafters instead: demo/dflash_l1 (1 layer) and demo/dflash (4 layers).
 # Usage: [NICE=n] bash scripts/train_depth_sweep.sh CORE LAYERS [MINUTES]   e.g. 0 4 150
 # (niceness 10 by default; SIGTERM stops a run at a step, checkpointed and exported).
 set -euo pipefail
