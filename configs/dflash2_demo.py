@@ -4,6 +4,9 @@ candidate selector (training.task = dflash2, `dspec/models/dflash2.py`).
 Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_demo.py):
   python scripts/train.py --config=configs/dflash2_demo.py:layers=1,steps=1500 \
       --workdir=runs/dflash2_demo
+  python scripts/train.py --config=configs/dflash2_demo.py:deep,layers=4 \
+      --config.training.init_from=demo/dflash --config.training.num_steps=350 \
+      --workdir=runs/dflash2_l4   # fine-tuned on the deep DFlash backbone, heads fresh
   python scripts/decode.py --config=configs/dflash2_demo.py --config.compare_ar=True
   python scripts/export_drafter.py --path=runs/dflash2_demo/final --out=/tmp/dflash2_zlab
 Arguments: those of configs/dflash_demo.py (layers, block, steps, minutes, data, tiny),

@@ -6,6 +6,9 @@ Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_d
       --workdir=runs/dspark_demo   # the family's budget and DFlash's 15 drafts
   python scripts/train.py --config=configs/dspark_demo.py:deep,layers=5 \
       --workdir=runs/dspark_l5     # the deep recipe on a deep backbone
+  python scripts/train.py --config=configs/dspark_demo.py:deep,layers=4,block=15 \
+      --config.training.init_from=demo/dflash --config.training.num_steps=300 \
+      --workdir=runs/dspark_l4    # fine-tuned on the deep DFlash backbone, heads fresh
   python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence

@@ -486,6 +486,31 @@ def load_model_state(path, model: nnx.Module, kind: str) -> dict:
   return metadata
 
 
+def load_backbone_state(path, model: nnx.Module, kind: str) -> list[str]:
+  """Restores a `kind` checkpoint whose params are a subset of `model`'s (e.g. a DFlash
+  backbone into DFlash-2 or DSpark); returns the names of the params left as they were.
+
+  Every stored param must find a param of the same name and shape in `model`.
+  """
+  path = _as_path(path)
+  _check_model_metadata(path, _read_metadata(path), kind)
+  state = nnx.state(model, nnx.Param)
+  params = leaf_paths(nnx.to_pure_dict(state))
+  stored, _ = load_tree(path)
+  stored = leaf_paths(stored)
+  misfit = sorted(name for name, leaf in stored.items()
+                  if name not in params or _shape(leaf) != _shape(params[name]))
+  if misfit:
+    raise CheckpointError(f'{path}: {len(misfit)} stored params have no param of that name '
+                          f'and shape in the model, e.g. {misfit[0]}')
+  merged = {name: jnp.asarray(stored[name], dtype=ref.dtype) if name in stored else ref
+            for name, ref in params.items()}
+  treedef = jax.tree.structure(nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, list(merged.values())))
+  nnx.update(model, state)
+  return sorted(set(params) - set(stored))
+
+
 def read_model_kind(path) -> Optional[str]:
   """The `kind` a `save_model` checkpoint holds ('target', 'dflash', ...; reads no arrays)."""
   return _read_metadata(_as_path(path)).get('kind')

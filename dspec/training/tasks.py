@@ -19,19 +19,35 @@ def _builders():
           'mtp_joint': mtp_task.build_joint_task, 'mtp_posthoc': mtp_task.build_posthoc_task}
 
 
+# Drafters built on another's backbone: `init_from` may name an export of that kind, whose
+# params they take while their own heads start fresh.
+BACKBONE_KINDS = {'dflash2': 'dflash', 'dspark': 'dflash'}
+
+
 def warm_start_drafter(task: trainer.TrainTask, tcfg) -> None:
   """Drafter tasks with `training.init_from`: the drafter starts from that export (a dspec
   checkpoint of the task's kind and shapes, e.g. a committed `<workdir>/export`); with
-  `continue_from_init` the trainer also continues at its step. Target tasks load their
-  own `init_from` (the target to start from)."""
+  `continue_from_init` the trainer also continues at its step. DFlash-2 and DSpark also
+  start from a DFlash export: its backbone, their heads fresh. Target tasks load their own
+  `init_from` (the target to start from)."""
   path, kind = tcfg.get('init_from'), DRAFTER_KINDS.get(tcfg.task)
   if not path or kind is None:
     return
   try:
-    checkpoint.load_model_state(path, task.model, kind)
+    stored_kind = checkpoint.read_model_kind(path)
+    if stored_kind != kind and stored_kind == BACKBONE_KINDS.get(kind):
+      fresh = checkpoint.load_backbone_state(path, task.model, stored_kind)
+    else:
+      checkpoint.load_model_state(path, task.model, kind)
+      return
   except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
     raise UserError(f'training.init_from={path}: cannot start the {tcfg.task} drafter from '
                     f'it: {e}') from e
+  if tcfg.get('continue_from_init'):
+    raise UserError(f'training.continue_from_init=True: {path} is a {stored_kind} backbone, '
+                    f'not a {kind} run to continue')
+  print(f'[dspec] {tcfg.task}: starts from the {stored_kind} backbone at {path}; '
+        f'{len(fresh)} params start fresh', flush=True)
 
 
 def run_training(cfg, workdir: str) -> dict:

@@ -54,3 +54,36 @@ def test_drafter_tasks_warm_start_from_an_export_of_their_kind(tmp_path):
   tcfg.task = 'eagle3'   # another kind: one clear error naming the field and both kinds
   with pytest.raises(UserError, match=r"training.init_from=.*'dflash'.*'eagle3'"):
     tasks.warm_start_drafter(task, tcfg)
+
+
+@pytest.mark.parametrize('kind', ['dflash2', 'dspark'])
+def test_dflash2_and_dspark_start_from_a_dflash_backbone(tmp_path, kind):
+  from conftest import TINY
+  from dspec.errors import UserError
+  from dspec.models.dflash import DFlashConfig, DFlashModel, save_dflash
+  from dspec.models.dflash2 import DFlash2Config, DFlash2Model
+  from dspec.models.dspark import DSparkConfig, DSparkModel
+  from dspec.training import tasks, trainer
+
+  shared = dict(num_layers=1, block_size=4, target_layer_ids=(1,), mask_token_id=1)
+  backbone = DFlashModel(DFlashConfig(**shared), TINY, rngs=nnx.Rngs(3))
+  export = str(tmp_path / 'export')
+  save_dflash(export, backbone)
+  model = (DFlash2Model(DFlash2Config(**shared, selector_rank=4, selector_top_k=2), TINY,
+                        rngs=nnx.Rngs(4)) if kind == 'dflash2' else
+           DSparkModel(DSparkConfig(**shared, markov_rank=4), TINY, rngs=nnx.Rngs(4)))
+  before = checkpoint.leaf_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  task = trainer.TrainTask(model=model, frozen=None, loss_fn=None, get_batch=None)
+  tcfg = demo_target.get_config('quick').training
+  tcfg.task, tcfg.init_from = kind, export
+  tasks.warm_start_drafter(task, tcfg)
+
+  after = checkpoint.leaf_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  stored = checkpoint.leaf_paths(nnx.to_pure_dict(nnx.state(backbone, nnx.Param)))
+  assert stored and set(stored) < set(after)
+  for name, leaf in after.items():   # the backbone's params taken, the heads' kept
+    np.testing.assert_array_equal(leaf, stored[name] if name in stored else before[name])
+
+  tcfg.continue_from_init = True    # a backbone is not a run of this kind to continue
+  with pytest.raises(UserError, match='continue_from_init'):
+    tasks.warm_start_drafter(task, tcfg)
