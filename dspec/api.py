@@ -158,6 +158,26 @@ class Generation:
   trace: Optional[dict] = None
 
 
+def _constraints(num_rows: int, **given) -> Optional[list]:
+  """One `Constraint` (or None) per prompt from generate's json_schema / regex / grammar,
+  each one value for every prompt or a list of one (or None) per prompt."""
+  from dspec.structured import Constraint
+  per_kind = {}
+  for kind, value in given.items():
+    if value is None:
+      continue
+    if isinstance(value, (list, tuple)):
+      if len(value) != num_rows:
+        raise ValueError(f'{kind}: a list needs one entry (or None) per prompt '
+                         f'({num_rows}), got {len(value)}')
+      per_kind[kind] = list(value)
+    else:
+      per_kind[kind] = [value] * num_rows
+  if not per_kind:
+    return None
+  return [Constraint.of(**{k: v[i] for k, v in per_kind.items()}) for i in range(num_rows)]
+
+
 def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096,
                 widen_mlp: int = 1) -> Target:
   """A dspec target checkpoint or a Hugging Face Llama/Qwen3 directory (detected), with its
@@ -210,7 +230,9 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, batch_size: int = 0,
              compare_ar: bool = False, timing_repeats: int = 0,
-             verify_length: str = 'auto', trace: bool = False) -> Generation:
+             verify_length: str = 'auto', trace: bool = False,
+             json_schema=None, regex=None, grammar=None,
+             forced_drafts: bool = True) -> Generation:
   """Continues every prompt (a list of strings or of token-id lists) with `drafter`
   (None: plain AR decoding), all prompts in one batch unless `batch_size` is larger.
 
@@ -224,6 +246,12 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   Markov walk, sampled chains for those at T > 0; the most recent matches for n-gram; the
   host-side suffix drafter has no tree mode), or 'auto_tree' (the controller picks each
   chunk's node budget from measured costs: trees of 2, 4, 8, 16 and 32 nodes, or AR).
+  json_schema (a dict or its JSON text), regex (the whole output matches it), grammar
+  (Lark text): structured output, one for every prompt or a list with one (or None) per
+  prompt; the output equals constrained AR's (T = 0) or follows its distribution. Chains
+  only ('auto' then verifies every proposal whole). forced_drafts: draft the tokens the
+  constraint forces (e.g. JSON keys). `metrics['constraint_complete']` says per prompt
+  whether the output is a finished match (False: max_new_tokens ended inside it).
   Raises ValueError for a bad argument, before anything compiles.
   """
   if not isinstance(target, Target):
@@ -238,11 +266,15 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
       temperature=_float('temperature', temperature, 0.0),
       top_k=_int('top_k', top_k, 0), top_p=_float('top_p', top_p, 0.0, 1.0, low_open=True),
       seed=_int('seed', seed, 0), timing_repeats=_int('timing_repeats', timing_repeats, 0))
+  constraints = _constraints(len(rows), json_schema=json_schema, regex=regex,
+                             grammar=grammar)
   out = runner.decode(target, rows, drafter and drafter.drafter,
                       drafter and drafter.params, settings=settings,
                       batch_size=_int('batch_size', batch_size, 0),
                       compare_ar=_bool('compare_ar', compare_ar),
-                      verify_length=verify_length, trace=_bool('trace', trace))
+                      verify_length=verify_length, trace=_bool('trace', trace),
+                      constraints=constraints,
+                      forced_drafts=_bool('forced_drafts', forced_drafts))
   return Generation(**out)
 
 

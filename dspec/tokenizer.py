@@ -170,6 +170,11 @@ class HFTokenizer:
     """Id of one token string, or None when it is not in the vocabulary."""
     return self._tok.token_to_id(token)
 
+  def to_json_str(self) -> str:
+    """The tokenizer as `tokenizer.json` text (what grammar engines build their
+    token tries from)."""
+    return self._tok.to_str()
+
   def __repr__(self) -> str:
     return (f'HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, '
             f'eos_id={self.eos_id}, bos_id={self.bos_id}, mask_id={self.mask_id})')

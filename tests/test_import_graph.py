@@ -23,6 +23,7 @@ LAYERS = (
     ('models', ('dspec.models.*',)),
     ('formats', ('dspec.models.formats.*',)),     # the models' checkpoint formats
     ('loading', ('dspec.hf_import', 'dspec.hf_export', 'dspec.sharding', 'dspec.loading')),
+    ('structured', ('dspec.structured.*',)),    # constraints and their matchers
     ('decoding', ('dspec.decoding.*',)),
     ('training and bench', ('dspec.training.*', 'dspec.bench.*')),
     ('api', ('dspec.api', 'dspec')),

@@ -37,7 +37,7 @@ from dspec.compiled_programs import ProgramCache
 from dspec.decoding import drafter as drafter_lib
 from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
 from dspec.decoding.state import (DecodeState, DecodeStats, DecodeTrace, DraftContext,
-                                  Proposal)
+                                  Proposal, StepMasks)
 from dspec.decoding.verification import greedy_verify, rejection_verify_logits
 
 NO_STEP_LIMIT = 2**31 - 1
@@ -108,8 +108,10 @@ class SpeculativeEngine:
                                                   top_p))
 
   def prefill_fn(self, target_params, drafter_params, prompt_BP, prompt_len_B,
-                 temperature, top_p, max_new_tokens, seed, *, buffer_len: int) -> DecodeState:
-    """Runs the target over every prompt token and commits the first generated token."""
+                 temperature, top_p, max_new_tokens, seed, allowed_BW=None, *,
+                 buffer_len: int) -> DecodeState:
+    """Runs the target over every prompt token and commits the first generated token
+    (from the tokens `allowed_BW` allows, a packed bitmask; None: any)."""
     target = nnx.merge(self.target_graphdef, target_params)
     b, p = prompt_BP.shape
     rows = jnp.arange(b)
@@ -119,7 +121,10 @@ class SpeculativeEngine:
     key = jax.random.key(seed)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    first_B = self._pick(out.logits_BTV[rows, prompt_len_B - 1],
+    last_BV = out.logits_BTV[rows, prompt_len_B - 1]
+    if allowed_BW is not None:
+      last_BV = mask_logits(last_BV, allowed_BW)
+    first_B = self._pick(last_BV,
                          jax.random.fold_in(key, NO_STEP_LIMIT), temperature, top_p)
     tokens_BL = tokens_BL.at[rows, prompt_len_B].set(first_B)
     max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
@@ -137,20 +142,24 @@ class SpeculativeEngine:
     return state.replace(drafter_state=dstate)
 
   def _verify(self, target, key, state: DecodeState, verify_BG1, proposal: Proposal,
-              num_proposed_B, force_wide=False):
+              num_proposed_B, force_wide=False, allowed_BG1W=None):
     """(target output with logits dropped, num accepted [B], emitted tokens [B, γ+1]) of
-    the target forward over [anchor, drafts]. When no live row has a draft (and not
+    the target forward over [anchor, drafts], each position's logits restricted to what
+    `allowed_BG1W` (packed bitmasks) allows. When no live row has a draft (and not
     `force_wide`), the forward runs over the anchor alone (an AR step's cost) and hidden,
     taps and emitted tokens are zero-padded to γ+1 slots: nothing past the anchor is
     accepted, so none is committed."""
 
     def run(cache, tokens_BT, drafts_BG, num_B, q_BGV):
       out = target(tokens_BT, cache=cache, taps=self.drafter.taps)
+      logits_BTV = out.logits_BTV
+      if allowed_BG1W is not None:
+        logits_BTV = mask_logits(logits_BTV, allowed_BG1W[:, :tokens_BT.shape[1]])
       if self.sampling.greedy:
-        n_B, emitted_BT = greedy_verify(drafts_BG, num_B, out.logits_BTV)
+        n_B, emitted_BT = greedy_verify(drafts_BG, num_B, logits_BTV)
       else:
         n_B, emitted_BT = rejection_verify_logits(
-            key, drafts_BG, num_B, q_BGV, out.logits_BTV,
+            key, drafts_BG, num_B, q_BGV, logits_BTV,
             lambda x: processed_probs(x, self.sampling, state.temperature, state.top_p))
       return out._replace(logits_BTV=None), n_B, emitted_BT
 
@@ -177,20 +186,39 @@ class SpeculativeEngine:
     result = _once_if(any_proposed, lambda r: wide(r[0].cache), result)
     return _once_if(~any_proposed, lambda r: anchor_only(r[0].cache), result)
 
+  def _step_keys(self, state: DecodeState):
+    """(draft key, verify key) of the state's step."""
+    return jax.random.split(jax.random.fold_in(state.key, state.step))
+
+  def propose_fn(self, target_params, drafter_params, state: DecodeState):
+    """The first half of `step_fn`: (state with the drafter synced, its proposal), for a
+    host that edits the proposal before `step_fn(..., synced=True)` verifies it."""
+    target = nnx.merge(self.target_graphdef, target_params)
+    ctx = self.context(state)
+    dstate = self.drafter.sync(drafter_params, state.drafter_state, target, ctx)
+    proposal = self.drafter.propose(drafter_params, dstate, target, ctx,
+                                    self._step_keys(state)[0])
+    return state.replace(drafter_state=dstate), proposal
+
   def step_fn(self, target_params, drafter_params, state: DecodeState,
-              proposal: Optional[Proposal] = None, force_wide=False) -> DecodeState:
+              proposal: Optional[Proposal] = None, force_wide=False,
+              masks: Optional[StepMasks] = None, *, synced: bool = False) -> DecodeState:
     """One draft → verify → accept → commit step for every live row; `force_wide` (a
     bool, traced or not) verifies the full width even when no row has a draft (what the
-    controller's cost profile times: the cost of a step that drafts)."""
+    controller's cost profile times: the cost of a step that drafts). Structured output
+    passes `masks` (`StepMasks`: the verify positions' allowed tokens and the drafts'
+    laws under forced tokens); `synced`: the drafter state is `propose_fn`'s already."""
     target = nnx.merge(self.target_graphdef, target_params)
     b = state.tokens_BL.shape[0]
     rows = jnp.arange(b)
-    key = jax.random.fold_in(state.key, state.step)
-    key_draft, key_verify = jax.random.split(key)
+    key_draft, key_verify = self._step_keys(state)
     ctx = self.context(state)
-    dstate = self.drafter.sync(drafter_params, state.drafter_state, target, ctx)
+    dstate = state.drafter_state if synced else self.drafter.sync(
+        drafter_params, state.drafter_state, target, ctx)
     if proposal is None:
       proposal = self.drafter.propose(drafter_params, dstate, target, ctx, key_draft)
+    if masks is not None and proposal.q_BGV is not None:
+      proposal = proposal._replace(q_BGV=_constrained_q(proposal, masks))
     g = proposal.tokens_BG.shape[1]
     remaining_B = state.max_new_tokens - state.generated_B()
     # A draft id outside the vocabulary ends the proposal there (and is never embedded:
@@ -205,7 +233,8 @@ class SpeculativeEngine:
     start_B = state.cache.lengths_B
     verify_BG1 = jnp.concatenate([anchor_B[:, None], proposal.tokens_BG], axis=1)
     out, n_B, emitted_BG1 = self._verify(target, key_verify, state, verify_BG1, proposal,
-                                         num_proposed_B, force_wide)
+                                         num_proposed_B, force_wide,
+                                         None if masks is None else masks.allowed_BG1W)
 
     # Commit: cut at the first stop token and at the budget; done rows write nothing.
     live_B = ~state.done_B
@@ -283,15 +312,16 @@ class SpeculativeEngine:
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, *,
               temperature=0.0, top_p=1.0, max_new_tokens, seed=0,
-              buffer_len: Optional[int] = None) -> DecodeState:
+              buffer_len: Optional[int] = None, allowed_BW=None) -> DecodeState:
     """`prefill_fn` jitted. buffer_len: at least the prompt width and every row's prompt +
-    max_new_tokens (`runner.decode` passes a shape bucket); None: `self.buffer_len`."""
+    max_new_tokens (`runner.decode` passes a shape bucket); None: `self.buffer_len`.
+    allowed_BW: see `prefill_fn`."""
     buffer_len = buffer_len or self.buffer_len(prompt_BP.shape[1], max_new_tokens)
     inputs = jax.device_put((np.asarray(prompt_BP, np.int32),
                              np.asarray(prompt_len_B, np.int32), np.float32(temperature),
                              np.float32(top_p), np.int32(max_new_tokens), np.int32(seed)))
     return _programs(self, (prompt_BP.shape[0], buffer_len))['prefill'](
-        target_params, drafter_params, *inputs, buffer_len=buffer_len)
+        target_params, drafter_params, *inputs, allowed_BW, buffer_len=buffer_len)
 
   def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
           until_row_done: bool = False, force_wide: bool = False) -> DecodeState:
@@ -310,6 +340,49 @@ class SpeculativeEngine:
   def step(self, target_params, drafter_params, state, proposal=None) -> DecodeState:
     return _programs(self, state.tokens_BL.shape)['step'](target_params, drafter_params,
                                                           state, proposal)
+
+  def propose(self, target_params, drafter_params, state):
+    """`propose_fn` jitted (the state is donated)."""
+    return _programs(self, state.tokens_BL.shape)['propose'](target_params, drafter_params,
+                                                             state)
+
+  def masked_step(self, target_params, drafter_params, state, proposal, masks: StepMasks,
+                  *, synced: bool) -> DecodeState:
+    """`step_fn` jitted with a constraint's `masks` (the state is donated); `synced`: the
+    state comes from `propose`."""
+    name = 'step_synced' if synced else 'step'
+    return _programs(self, state.tokens_BL.shape)[name](
+        target_params, drafter_params, state, proposal, False, masks)
+
+
+def allowed_tokens(allowed_NW, vocab: int):
+  """[..., vocab] bool of packed bitmasks [..., W] (bit v % 32 of word v // 32 set where
+  token v is allowed, as grammar engines fill them)."""
+  token_V = jnp.arange(vocab, dtype=jnp.int32)
+  words_NV = jnp.take(allowed_NW, token_V // 32, axis=-1)
+  return ((words_NV >> (token_V % 32)) & 1).astype(bool)
+
+
+def mask_logits(logits_NV, allowed_NW):
+  """Logits of the tokens `allowed_NW` does not allow set to -inf."""
+  return jnp.where(allowed_tokens(allowed_NW, logits_NV.shape[-1]), logits_NV, -jnp.inf)
+
+
+def _constrained_q(proposal: Proposal, masks: StepMasks):
+  """The law each draft was drawn from under `masks` (see `StepMasks`): the drafter's q;
+  at a position with a forced token, q's allowed part plus the rest of its mass on that
+  token; past the drafter's own drafts, one-hot on the forced draft."""
+  q_BGV = proposal.q_BGV
+  g, vocab = q_BGV.shape[1], q_BGV.shape[2]
+  q_in_BGV = jnp.where(allowed_tokens(masks.allowed_BG1W[:, :g], vocab), q_BGV, 0.0)
+  moved_BG1 = jnp.maximum(1.0 - jnp.sum(q_in_BGV, axis=-1, keepdims=True), 0.0)
+  forced_BG = masks.forced_BG
+  mixed_BGV = q_in_BGV + moved_BG1 * jax.nn.one_hot(jnp.maximum(forced_BG, 0), vocab,
+                                                    dtype=q_BGV.dtype)
+  q_BGV = jnp.where((forced_BG >= 0)[..., None], mixed_BGV, q_BGV)
+  own_BG = jnp.arange(g)[None, :] < masks.own_B[:, None]
+  return jnp.where(own_BG[..., None], q_BGV,
+                   jax.nn.one_hot(proposal.tokens_BG, vocab, dtype=q_BGV.dtype))
 
 
 def _first_false(mask_BG):
@@ -334,4 +407,7 @@ def _programs(engine: SpeculativeEngine) -> dict:
       'run_until_row_done': jax.jit(
           functools.partial(engine.run_fn, until_row_done=True), donate_argnums=2),
       'step': jax.jit(engine.step_fn, donate_argnums=2),
+      'propose': jax.jit(engine.propose_fn, donate_argnums=2),
+      'step_synced': jax.jit(functools.partial(engine.step_fn, synced=True),
+                             donate_argnums=2),
   }

@@ -186,7 +186,7 @@ def _take_read_back(queued, sequences, num):
   return new_num, done
 
 
-def _read_back(state, sequences, num, width):
+def read_back(state, sequences, num, width):
   """Appends what was committed since `num` (at most `width` per row) to `sequences`;
   returns (num, done)."""
   return _take_read_back(_queue_read_back(state, num, width), sequences, num)
@@ -283,7 +283,7 @@ def compile_step_widths(engine, target_params, drafter_params, state,
   runs = []
   if widths - compiled:
     runs.append(_committed_since(state, jax.device_put(np.zeros((b,), np.int32)),
-                                 read_window(engine, max_chunk)))   # as `_read_back`
+                                 read_window(engine, max_chunk)))   # as `read_back`
     if fallback is not None:   # its AR chunks' program
       runs.append(fallback.engine.run(target_params, drafter_params, copy(), 1))
   for width in sorted(widths - compiled):
@@ -386,12 +386,12 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       fallback.realised_after_prompt(*earned)
       earned = None
 
-  def take_ar_chunk(read_back, dispatched):
+  def take_ar_chunk(queued_read, dispatched):
     """Takes an AR chunk's read-back and times its tokens (from its dispatch, or the last
     chunk's end when it was queued behind it); returns since_B."""
     nonlocal num, done, taken_at
     before = num
-    num, done = _take_read_back(read_back, sequences, num)
+    num, done = _take_read_back(queued_read, sequences, num)
     started, taken_at = max(dispatched, taken_at), time.perf_counter()
     fallback.ar_token_s.append((taken_at - started) / max(np.max(num - before), 1))
     return before
@@ -434,7 +434,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
         resolve(False)
         continue
       state = fallback.run(target_params, drafter_params, state, 1)
-      num, done = _read_back(state, sequences, num, window)
+      num, done = read_back(state, sequences, num, window)
       count_earned(np.sum(num - before), live.sum())
       unpaid += 1
       continue
@@ -445,7 +445,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
       # A rejected proposal sends the loop to AR: the AR chunk runs in the same call.
       state, accepted = fallback.try_then_run(engine, target_params, drafter_params, state,
                                               proposal, ar_chunk)
-      num, done = _read_back(state, sequences, num, window)
+      num, done = read_back(state, sequences, num, window)
       elapsed, committed = time.perf_counter() - t0, np.max(num - before)
       accepted = bool(accepted)   # a row accepted a draft: the AR chunk ran no step
       step_tokens = np.sum(num - before) if accepted else live.sum()
@@ -466,7 +466,7 @@ def generate_host_loop(engine, target_params, drafter_params, state, host_drafte
         ar_chunk = after_ar_chunk(before + live)
       continue
     state = engine.step(target_params, drafter_params, state, proposal)
-    num, done = _read_back(state, sequences, num, window)
+    num, done = read_back(state, sequences, num, window)
     if fallback is not None:
       fallback.step_s.append(time.perf_counter() - t0)
       count_earned(np.sum(num - before), live.sum())

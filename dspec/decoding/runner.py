@@ -22,6 +22,7 @@ from flax import nnx
 from dspec import config_checks, datasets, loading, sharding
 from dspec.decoding import costs as costs_lib
 from dspec.decoding import drafter as drafter_lib
+from dspec.decoding.constrained_loop import Constrained, generate_constrained
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
@@ -97,20 +98,32 @@ class Target:
 def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
                    settings: Settings, host_factory: Optional[Callable] = None,
                    host_fallback=None, controller: ControllerConfig = ControllerConfig(),
-                   buffer_len: Optional[int] = None):
+                   buffer_len: Optional[int] = None, constrained: Optional[Constrained] = None):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
   buffer_len: the token buffer's (`SpeculativeEngine.prefill`; None: the engine's own).
   Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
   while they stop paying; their set-up over the prompts (suffix tries) runs while the
   device prefills, as a server starts a request's host state on arrival, and the first
   run compiles the loop's step at every verify width (`compile_step_widths`) and prices a
-  step against AR's (`ARFallback.price`); `controller` has the fallback's knobs."""
+  step against AR's (`ARFallback.price`); `controller` has the fallback's knobs.
+  `constrained`: structured output, every step masked by the rows' matchers
+  (`constrained_loop`)."""
   t0 = time.perf_counter()
+  rows = constrained and constrained.start(prompt_BP.shape[0])
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed,
-                         buffer_len=buffer_len)
+                         buffer_len=buffer_len,
+                         allowed_BW=rows and jax.device_put(rows.first_masks()))
   host = None if host_factory is None else host_factory()
+  if rows:
+    if host is not None:
+      host.start(row_tokens(np.asarray(prompt_BP), np.asarray(prompt_len_B)))
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    state = generate_constrained(engine, target_params, drafter_params, state, rows, host)
+    jax.block_until_ready(state)
+    return state, t1 - t0, time.perf_counter() - t1
   if host is not None:
     compile_step_widths(engine, target_params, drafter_params, state,   # first run only
                         host_fallback, controller.host_max_chunk)
@@ -145,6 +158,7 @@ class Generation:
   host_factory: Optional[Callable] = None
   host_fallback: object = None
   controller: ControllerConfig = ControllerConfig()
+  constrained: Optional[Constrained] = None
 
 
 def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B,
@@ -164,7 +178,7 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
       t = time.perf_counter()
       states[i], prefill_s, decode_s = run_generation(
           g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
-          g.host_factory, g.host_fallback, g.controller, buffer_len)
+          g.host_factory, g.host_fallback, g.controller, buffer_len, g.constrained)
       if r == 0:
         first_s[i] = time.perf_counter() - t
       if r or not settings.timing_repeats:   # no timed rounds: the warm-up's time counts
@@ -286,6 +300,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
            verify_length: str = 'auto', trace: bool = False, debug: bool = False,
            placement: Optional[sharding.Placement] = None,
            controller: ControllerConfig = ControllerConfig(), tree: TreeConfig = TreeConfig(),
+           constraints=None, forced_drafts: bool = True,
            progress: Callable[[str], None] = lambda message: None) -> dict:
   """Generates continuations of `prompts` (texts or token-id lists) with `drafter`.
 
@@ -298,7 +313,9 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   (the same ratio within each timed round) and `lossless` (greedy: outputs equal AR's).
   verify_length, controller, placement: see `speculative_engine`. debug:
   generation runs under `jax.transfer_guard('disallow')`, so an implicit host/device
-  transfer is an error.
+  transfer is an error. constraints: structured output (`constrained_run`), with
+  `forced_drafts` drafting the tokens a constraint forces; AR compares under the same
+  constraints.
   Returns {'texts', 'ids', 'metrics', 'per_prompt', 'trace'} (ids / texts per prompt).
   """
   drafter = drafter or drafter_lib.NoDrafter()
@@ -313,21 +330,33 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows), min_width=width)
   graphdef, target_params = target.split()
   stop_ids = tuple(target.tokenizer.stop_ids)
+  constrained = constrained_run(target, constraints, len(rows), verify_length, placement,
+                                drafter, forced_drafts)
   wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
   if placement:
     drafter_params = placement.put_params(drafter_params)
-  engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=verify_length,
-                              trace=trace, controller=controller, placement=placement,
-                              tree=tree, profiled=costs_lib.PROFILED)
+  if constrained:   # chains verified whole: the host masks every step
+    engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
+                               trace=trace)
+    progress('structured output: ' + ', '.join(sorted(
+        {c.constraint.kind for c in constrained.compiled if c})) +
+             (f'; verify_length={verify_length} verifies every proposal whole under a '
+              'constraint' if verify_length == 'auto' else ''))
+  else:
+    engine = speculative_engine(graphdef, drafter, spec, stop_ids,
+                                verify_length=verify_length, trace=trace,
+                                controller=controller, placement=placement, tree=tree,
+                                profiled=costs_lib.PROFILED)
   host_factory = drafter_lib.host_drafter_factory(drafter)
   fallback = None
-  if host_factory and verify_length == 'auto' and not placement:
+  if host_factory and verify_length == 'auto' and not placement and not constrained:
     fallback = ARFallback.of(engine)
   generations = [Generation(engine, target_params, drafter_params, host_factory, fallback,
-                            controller)]
+                            controller, constrained)]
   if compare_ar:   # the rounds rotate which generation runs first
     generations.insert(0, Generation(
-        wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params))
+        wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params,
+        constrained=constrained and dataclasses.replace(constrained, last=None)))
   progress(('decoding' if not settings.timing_repeats else
             f'decoding (warm-up + {settings.timing_repeats} timed runs)') +
            (', AR interleaved' if compare_ar else ''))
@@ -344,6 +373,12 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
       verify_length=verify_length if 'tree' in verify_length else
       'auto' if engine.adaptive or fallback else 'fixed')
+  if constrained:
+    rows_run = constrained.last
+    metrics.update(
+        constraint_complete=rows_run.complete()[:len(rows)],
+        constraint_host_ms_per_step=1e3 * rows_run.host_s / max(
+            int(np.max(state.stats.steps_B)), 1))
   if 'tree' in verify_length:   # target positions scored per verify step (anchor included)
     metrics['nodes_verified_per_step'] = float(
         (np.sum(state.stats.proposed_B) + np.sum(state.stats.steps_B)) /
@@ -370,6 +405,38 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   }
 
 
+def constrained_run(target: Target, constraints, num_rows: int, verify_length: str,
+                    placement, drafter, forced_drafts: bool) -> Optional[Constrained]:
+  """The `Constrained` of a decode: `constraints` is one `Constraint` for every row, or one
+  (or None) per prompt; None or all None: none. UserError before anything compiles for a
+  constraint that does not compile, or a mode that cannot verify one."""
+  from dspec.structured import Constraint, compile_constraint
+  if constraints is None:
+    if getattr(drafter, 'needs_constraint', False):
+      raise UserError('drafter grammar drafts only the tokens a constraint forces: give a '
+                      'json_schema, regex or grammar')
+    return None
+  per_row = ([constraints] * num_rows if isinstance(constraints, Constraint)
+             else list(constraints))
+  if len(per_row) != num_rows or not all(c is None or isinstance(c, Constraint)
+                                         for c in per_row):
+    raise UserError(f'constraints: one Constraint for every prompt, or a list of one '
+                    f'Constraint (or None) per prompt ({num_rows}), got {constraints!r:.80}')
+  if all(c is None for c in per_row):
+    return constrained_run(target, None, num_rows, verify_length, placement, drafter,
+                           forced_drafts)
+  if verify_length in ('tree', 'auto_tree'):
+    raise UserError(f'structured output verifies chains: verify_length={verify_length} '
+                    'cannot be combined with a constraint (use fixed or auto)')
+  if placement is not None:
+    raise UserError('structured output runs on one device: drop --config.mesh')
+  vocab = target.model.cfg.vocab_size
+  stop_ids = tuple(target.tokenizer.stop_ids)
+  compiled = {c: compile_constraint(c, target.tokenizer, vocab, stop_ids)
+              for c in set(per_row) if c is not None}
+  return Constrained(tuple(compiled.get(c) for c in per_row), vocab, forced_drafts)
+
+
 def configured_prompts(cfg, prompts: Optional[Sequence] = None) -> list:
   """The prompts a decode config asks for: `prompts` when given, else
   `prompt_set[prompt_index]` when a prompt set is named, else `prompt`."""
@@ -385,8 +452,10 @@ def configured_prompts(cfg, prompts: Optional[Sequence] = None) -> list:
 
 
 def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
+               constraint=None, forced_drafts: bool = True,
                progress: Callable[[str], None] = lambda message: None) -> dict:
   """The decode job of a config: builds the target and drafter, decodes, compares with AR.
+  constraint: a `dspec.structured.Constraint` for every prompt (structured output).
 
   With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
   programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
@@ -418,7 +487,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   out = decode(target, prompts, drafter, drafter_params, settings=settings,
                batch_size=cfg.batch_size, compare_ar=cfg.compare_ar,
                verify_length=cfg.verify_length, trace=trace, debug=cfg.debug,
-               placement=placement, progress=progress, controller=controller, tree=tree)
+               placement=placement, progress=progress, controller=controller, tree=tree,
+               constraints=constraint, forced_drafts=forced_drafts)
   report = dict(out['metrics'])
   report.update(prompt=tokenizer.decode(_prompt_row(prompts[0], tokenizer)),
                 output_ids=out['ids'][0], text=out['texts'][0])

@@ -40,6 +40,23 @@ class Proposal(NamedTuple):
                   'q_BGV': ('batch', None, 'vocab')}
 
 
+class StepMasks(NamedTuple):
+  """A constraint's part in one verify step (structured output, `dspec.structured`).
+
+  allowed_BG1W: per verify position, the packed bitmask of the tokens allowed there (bit
+    v % 32 of word v // 32), given the drafts before it.
+  forced_BG: per draft position, the token the constraint forces there, or -1. A draft of
+    the drafter's own at such a position is kept when allowed and replaced by the forced
+    token when not, so its law is q restricted to the allowed tokens plus the rest of q's
+    mass on the forced token.
+  own_B: how many drafts are the drafter's own; the rest are forced tokens (one-hot q).
+  """
+
+  allowed_BG1W: jnp.ndarray
+  forced_BG: jnp.ndarray
+  own_B: jnp.ndarray
+
+
 @struct.dataclass
 class DecodeStats:
   """Per-row counters from which every metric (docs/DESIGN.md, "Metrics") is derived.

@@ -23,6 +23,7 @@ _BUILDERS = {
     'dflash': 'dflash',
     'dspark': 'dspark',
     'eagle3': 'eagle3',
+    'grammar': 'forced',
 }
 
 # Config defaults of every drafter (`cfg.drafters.<name>`). `num_draft` is each one's
@@ -41,6 +42,7 @@ DEFAULTS = {
     'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
                'shrink_block': False, 'attention_impl': 'xla'},
     'eagle3': {'path': '', 'num_draft': 0, 'sample_proposals': True},
+    'grammar': {'num_draft': 16},   # structured output only: the tokens it forces
 }
 
 def known() -> list:

@@ -1,0 +1,71 @@
+"""The host loop of structured output: every step's masks come from the rows' matchers.
+
+Each step: the device drafter proposes (`SpeculativeEngine.propose`; a host drafter
+proposes on the host instead), the host walks the proposal with each constrained row's
+matcher (`RowConstraints.plan`: one mask per verify position, forced drafts), the device
+verifies against the masked, renormalised target (`SpeculativeEngine.masked_step`), and
+the matchers advance by what was committed. Plain AR (`NoDrafter`) runs the same loop
+with one verify position: that is constrained AR, the reference the speculative output
+equals (T = 0) or matches in distribution (T > 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import numpy as np
+
+from dspec.decoding.host_loop import read_back
+from dspec.decoding.prompts import row_tokens
+from dspec.decoding.state import Proposal, StepMasks
+from dspec.structured.matcher import RowConstraints
+
+
+@dataclasses.dataclass
+class Constrained:
+  """A generation's constraints: one compiled constraint (or None) per row, whether forced
+  tokens are drafted, and the matchers of its last run (`start`)."""
+
+  compiled: tuple
+  vocab_size: int
+  forced_drafts: bool = True
+  last: Optional[RowConstraints] = None
+
+  def start(self, batch: int) -> RowConstraints:
+    self.last = RowConstraints(self.compiled, batch, self.vocab_size, self.forced_drafts)
+    return self.last
+
+
+def generate_constrained(engine, target_params, drafter_params, state,
+                         rows: RowConstraints, host_drafter=None):
+  """Decodes `state` (a prefill whose first tokens `rows.first_masks()` restricted) to the
+  end under `rows`' constraints; returns the final state. host_drafter: a `HostDrafter`
+  (already started) proposing instead of the device drafter."""
+  tokens, num, done, prompt_len_B, max_new = jax.device_get((
+      state.tokens_BL, state.num_tokens_B, state.done_B, state.prompt_len_B,
+      state.max_new_tokens))
+  sequences = row_tokens(tokens, num)
+  rows.commit([[seq[-1]] for seq in sequences])   # the prefill's token
+  width = engine.num_draft + 1
+  while not np.all(done):
+    if host_drafter is not None:
+      tokens_BG, num_B = host_drafter.propose(sequences, ~done)
+      q_BGV, synced = None, False
+    else:
+      state, proposal = engine.propose(target_params, drafter_params, state)
+      tokens_BG, num_B = jax.device_get((proposal.tokens_BG, proposal.num_proposed_B))
+      q_BGV, synced = proposal.q_BGV, True
+    room_B = max_new - (num - prompt_len_B)
+    tokens_BG, num_B, *masks = rows.plan(tokens_BG, num_B, room_B, done,
+                                         stochastic_q=q_BGV is not None)
+    proposal = Proposal(*jax.device_put((tokens_BG, num_B)), q_BGV)
+    state = engine.masked_step(target_params, drafter_params, state, proposal,
+                               StepMasks(*jax.device_put(masks)), synced=synced)
+    before = num
+    num, done = read_back(state, sequences, num, width)
+    rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])
+  if host_drafter is not None:
+    host_drafter.finish(sequences)
+  return state
