@@ -95,7 +95,8 @@ class ProgramCache:
     programs = self._sets[key] = self._build(engine)
     while len(self._sets) > MAX_PROGRAM_SETS:
       for fn in self._sets.popitem(last=False)[1].values():
-        fn.clear_cache()
+        if hasattr(fn, 'clear_cache'):   # a set may hold other notes (`warm_marks`)
+          fn.clear_cache()
     return programs
 
   def __len__(self) -> int:

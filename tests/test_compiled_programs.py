@@ -81,3 +81,14 @@ def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == 'None'
+
+
+def test_an_evicted_program_set_drops_its_warm_up_notes(monkeypatch):
+  """What the host loop noted as warmed (`SpeculativeEngine.warm_marks`) goes with the
+  programs, so a set the LRU dropped is warmed again, not trusted."""
+  monkeypatch.setattr(compiled_programs, 'MAX_PROGRAM_SETS', 1)
+  cache = compiled_programs.ProgramCache(lambda engine: {'f': jax.jit(lambda x: x + 1)})
+  cache('a', (1,)).setdefault('warm', set()).add(4)
+  assert cache('a', (1,))['warm'] == {4}
+  cache('b', (1,))   # evicts a's set, notes included
+  assert 'warm' not in cache('a', (1,))

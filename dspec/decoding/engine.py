@@ -341,6 +341,11 @@ class SpeculativeEngine:
     return _programs(self, state.tokens_BL.shape)['step'](target_params, drafter_params,
                                                           state, proposal)
 
+  def warm_marks(self, tokens_shape) -> set:
+    """A set that lives as long as the programs compiled for states of `tokens_shape`
+    (an LRU may drop them): callers note there what they warmed up."""
+    return _programs(self, tokens_shape).setdefault('warm', set())
+
   def propose(self, target_params, drafter_params, state):
     """`propose_fn` jitted (the state is donated)."""
     return _programs(self, state.tokens_BL.shape)['propose'](target_params, drafter_params,

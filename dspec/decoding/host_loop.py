@@ -254,13 +254,6 @@ def verify_width(longest: int, num_draft: int) -> int:
   return min(1 << max(longest - 1, 0).bit_length(), num_draft)
 
 
-@functools.lru_cache(maxsize=256)
-def _compiled_widths(engine, ar_engine, tokens_shape) -> set:
-  """The verify widths whose step `engine` (and its `try_then_run` with `ar_engine`) has
-  compiled for a state whose token buffer has `tokens_shape` (the cache's shapes follow)."""
-  return set()
-
-
 _KNOBS = ControllerConfig()   # the loop's defaults: `--config.controller.host_*`
 
 
@@ -276,7 +269,8 @@ def compile_step_widths(engine, target_params, drafter_params, state,
   queued on the device when the loop starts; the loop's timings would keep either as the
   price of a step."""
   ar_engine = None if fallback is None else fallback.engine
-  compiled = _compiled_widths(engine, ar_engine, state.tokens_BL.shape)
+  marks = engine.warm_marks(state.tokens_BL.shape)   # dropped with the programs
+  compiled = {w for a, w in marks if a == ar_engine}
   widths = {verify_width(n, engine.num_draft) for n in range(engine.num_draft + 1)}
   b = state.tokens_BL.shape[0]
   copy = lambda: jax.tree.map(lambda x: x.copy(), state)
@@ -292,7 +286,7 @@ def compile_step_widths(engine, target_params, drafter_params, state,
     if ar_engine is not None:
       runs.append(_try_then_run(engine, ar_engine)(target_params, drafter_params, copy(),
                                                    full, device_scalar(1)))
-    compiled.add(width)
+    marks.add((ar_engine, width))
   jax.block_until_ready(runs)   # else they run on into the caller's timed loop
 
 

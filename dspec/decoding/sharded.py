@@ -2,8 +2,9 @@
 
 `ShardedEngine(engine, placement)` has the engine's `prefill / run / generate / step`
 signatures (so `runner`, `host_loop` and the controller use it unchanged) and runs the
-engine's own step driver (`run_fn`); unlike the engine it keys its compiled programs by the
-state's shapes, since their in/out shardings follow from them. Params keep the sharding
+engine's own step driver (`run_fn`); its programs (keyed by the state's shapes, since their
+in/out shardings follow from them) live in one LRU per engine and placement, so a new
+`ShardedEngine` over the same pair (every `generate` call builds one) compiles nothing. Params keep the sharding
 they were placed with (`Placement.put_params` / `create_module`); the decode state (target
 cache, tokens, drafter state, stats) is sharded by its shape-suffix names: batch over the
 `batch` mesh axes, KV heads over `tensor`. Calls run under `jax.set_mesh`, so Pallas
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dspec import distributed
+from dspec.compiled_programs import ProgramCache
 from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine
 from dspec.sharding import Placement
 
@@ -31,13 +33,17 @@ def _shardings_of(tree):
   return None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
 
 
+# The programs of each (engine, placement), built by `ShardedEngine._jitted`.
+_PROGRAMS = ProgramCache(lambda engine_and_placement: {})
+
+
 class ShardedEngine:
   """`engine`'s entry points jitted with mesh shardings (one compile per shape)."""
 
   def __init__(self, engine: SpeculativeEngine, placement: Placement):
     self.engine = engine
     self.placement = placement
-    self._fns = {}
+    self._fns = _PROGRAMS((engine, placement), ())
 
   def __getattr__(self, name):
     return getattr(self.engine, name)

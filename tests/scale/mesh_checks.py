@@ -28,7 +28,7 @@ from absl import logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import common  # noqa: E402
-from dspec import sharding  # noqa: E402
+from dspec import compiled_programs, sharding  # noqa: E402
 from dspec.decoding.drafters.ngram import NgramDrafter  # noqa: E402
 from dspec.decoding.drafters.oracle import OracleDrafter  # noqa: E402
 from dspec.decoding.drafters.self_draft import SelfDrafter  # noqa: E402
@@ -139,8 +139,13 @@ def runner_check(result):
   cfg = common.decode_config('tiny')
   cfg.batch_size, cfg.max_new_tokens, cfg.timing_repeats = 4, 8, 1
   cfg.drafter, cfg.compare_ar, cfg.mesh = 'ngram', True, 'data=4,tensor=2'
-  report = runner.run_decode(cfg, [[1, 2, 3, 1, 2, 3], [5, 6, 7], [9, 9, 9, 9], [4, 5]])
-  result['runner'] = {'lossless': report['lossless'], 'output_ids': report['output_ids']}
+  prompts = [[1, 2, 3, 1, 2, 3], [5, 6, 7], [9, 9, 9, 9], [4, 5]]
+  report = runner.run_decode(cfg, prompts)
+  with compiled_programs.counting_compiles() as compiled:   # a second call, same buckets
+    again = runner.run_decode(cfg, prompts[::-1])
+  result['runner'] = {'lossless': report['lossless'], 'output_ids': report['output_ids'],
+                      'again_lossless': again['lossless'],
+                      'again_engine_compiles': [n for n in compiled if n.endswith('_fn)')]}
 
 
 def _train_task(name):
