@@ -131,3 +131,38 @@ def test_warmup_checks_its_arguments(target):
     dspec.warmup(target, batch_size=0)
   with pytest.raises(ValueError, match='verify_length'):
     dspec.warmup(target, verify_length='sometimes')
+
+
+@pytest.fixture(scope='module')
+def demo_target():
+  return dspec.load_target('demo/target')
+
+
+DEMO_ROWS = ['def fibonacci(n):', 'Question: A farmer has 12 cows and buys 7 more. Then half '
+             'of them are sold. How many cows are left?\nAnswer:', 'import numpy as np\n']
+
+
+@pytest.mark.parametrize('kind,verify_length', [
+    ('suffix', 'fixed'), ('eagle3', 'fixed'), ('dflash2', 'fixed'), ('dspark', 'fixed'),
+    ('dflash', 'tree')])
+def test_every_drafter_decodes_a_padded_ragged_batch_as_ar_does(demo_target, kind,
+                                                                  verify_length):
+  """The demo drafters on a ragged batch padded to its buckets write the exact-shape AR
+  tokens (n-gram and MTP: `test_bucketed_outputs_equal_the_exact_shapes`)."""
+  rows = [demo_target.tokenizer.encode(p) for p in DEMO_ROWS]
+  exact = _exact_rows(demo_target, rows)
+  path = {'dflash2': 'demo/dflash2'}.get(kind, f'demo/{kind}')
+  drafter = (dspec.load_drafter(kind, target=demo_target) if kind == 'suffix' else
+             dspec.load_drafter('dflash' if kind == 'dflash2' else kind, path,
+                                target=demo_target))
+  out = dspec.generate(demo_target, rows, drafter, max_new_tokens=NEW,
+                       verify_length=verify_length)
+  assert out.ids == exact
+
+
+def _exact_rows(target, rows):
+  graphdef, params = target.split()
+  engine = SpeculativeEngine(graphdef, stop_ids=tuple(target.tokenizer.stop_ids))
+  prompt_BP, lens = pad_prompts(rows)
+  return generated_ids(engine.generate(params, None, engine.prefill(
+      params, None, prompt_BP, lens, max_new_tokens=NEW)))
