@@ -8,12 +8,15 @@ Each process gets `--coordinator=127.0.0.1:<free port> --num_processes=N --proce
 stdout and stderr come through line by line with a `[p<i>] ` prefix. When one process fails,
 the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
 with its status; --timeout bounds the whole run (exit 124). Every process runs in its own
-process group, which is killed on any exit of the launcher (including SIGINT/SIGTERM), so
-nothing is left behind.
+process group, which is killed on any exit of the launcher (including SIGINT, SIGTERM and
+SIGHUP), and on Linux each also dies with the launcher itself (a parent-death signal), so
+even a SIGKILLed launcher leaves nothing behind. A closed stdout or stderr (a reader that
+went away) does not stall the processes: their output is then drained and dropped.
 """
 
 import argparse
 import atexit
+import ctypes
 import math
 import os
 import signal
@@ -26,10 +29,30 @@ import time
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+  """In the child before exec: SIGKILL when the launcher dies (Linux; elsewhere the
+  process groups' cleanup on the launcher's exit is all there is)."""
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  except (OSError, AttributeError):
+    pass
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+def _say(message: str) -> None:
+  """One line to stderr, unless nobody reads it any more."""
+  try:
+    print(message, file=sys.stderr, flush=True)
+  except (OSError, ValueError):
+    pass
 
 
 def _fail(message: str, status: int = 2):
@@ -88,7 +111,8 @@ class Processes:
 
   def start(self, argv, env, prefix):
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == 'linux' else None)
     self.procs.append(proc)
     for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
       thread = threading.Thread(target=self._forward, args=(stream, out, prefix),
@@ -97,10 +121,18 @@ class Processes:
       self._threads.append(thread)
 
   def _forward(self, stream, out, prefix):
+    """Copies `stream` to `out` line by line; once `out` fails (closed), drains `stream`
+    (a child blocked on a full pipe would hang until the timeout)."""
+    writable = True
     for raw in iter(stream.readline, b''):
+      if not writable:
+        continue
       with self._lock:
-        out.write(prefix + raw.decode(errors='replace'))
-        out.flush()
+        try:
+          out.write(prefix + raw.decode(errors='replace'))
+          out.flush()
+        except (OSError, ValueError):   # a broken pipe; a closed file
+          writable = False
     stream.close()
 
   def signal_all(self, sig):
@@ -141,13 +173,12 @@ def main(argv) -> int:
 
   def on_signal(signum, frame):
     del frame
-    print(f'launch_local: {signal.Signals(signum).name} received; stopping every process',
-          file=sys.stderr, flush=True)
+    _say(f'launch_local: {signal.Signals(signum).name} received; stopping every process')
     procs.stop(args.grace)
     os._exit(128 + signum)
 
-  signal.signal(signal.SIGINT, on_signal)
-  signal.signal(signal.SIGTERM, on_signal)
+  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, on_signal)
   env = _environment(args.devices_per_process)
   for i in range(args.num_processes):
     procs.start([sys.executable, '-u', *command, f'--coordinator=127.0.0.1:{port}',
@@ -160,16 +191,14 @@ def main(argv) -> int:
     if failed:
       i, status = failed[0]
       if any(s is None for s in statuses):
-        print(f'launch_local: process {i} {_describe(status)}; stopping the others',
-              file=sys.stderr, flush=True)
+        _say(f'launch_local: process {i} {_describe(status)}; stopping the others')
       procs.stop(args.grace)
       return status if status > 0 else 128 - status
     if all(s == 0 for s in statuses):
       procs.stop(0.0)
       return 0
     if time.monotonic() > deadline:
-      print(f'launch_local: timed out after {args.timeout:g} s; stopping every process',
-            file=sys.stderr, flush=True)
+      _say(f'launch_local: timed out after {args.timeout:g} s; stopping every process')
       procs.stop(args.grace)
       return 124
     time.sleep(0.05)

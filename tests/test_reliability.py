@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -1227,3 +1228,66 @@ def test_one_error_hierarchy_for_the_api_and_the_scripts(api_target, tmp_path):
       call()
     except ValueError:   # one `except` catches bad arguments and bad checkpoints alike
       pass
+
+
+# ================================ round 4: launch_local's children die with it
+# However the launcher ends (SIGHUP, SIGKILL, a reader that closed its stdout), no process
+# it started is left running or blocked.
+
+_CHILD = '''import os, sys, time
+print(os.getpid(), flush=True)
+if sys.argv[1:2] == ['chatty']:
+  for _ in range(4000):
+    print('x' * 100, flush=True)
+  sys.exit(0)
+time.sleep(120)
+'''
+
+
+def _launch(tmp_path, *child_args, **popen):
+  child = tmp_path / 'child.py'
+  child.write_text(_CHILD)
+  return subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, 'scripts', 'launch_local.py'),
+                           '-n', '1', '--timeout=60', '--grace=1', '--', str(child),
+                           *child_args], **popen)
+
+
+def _child_pid(launcher) -> int:
+  line = launcher.stdout.readline().decode()
+  return int(line.split()[-1])
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+  deadline = time.monotonic() + within
+  while time.monotonic() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    time.sleep(0.1)
+  return False
+
+
+@pytest.mark.parametrize('sig', [signal.SIGHUP, signal.SIGKILL])
+def test_launch_local_children_die_with_it(tmp_path, sig):
+  launcher = _launch(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+  try:
+    child = _child_pid(launcher)
+    launcher.send_signal(sig)
+    launcher.wait(timeout=30)
+    assert _gone(child), f'the child outlived a launcher killed by {sig.name}'
+  finally:
+    launcher.kill()
+    launcher.wait()
+
+
+def test_launch_local_drains_a_closed_stdout(tmp_path):
+  """A child writing far more than a pipe holds, to a launcher whose reader went away,
+  still finishes: the launcher exits 0 at once, not at its timeout."""
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  t0 = time.monotonic()
+  launcher = _launch(tmp_path, 'chatty', stdout=write_end, stderr=subprocess.DEVNULL)
+  os.close(write_end)
+  assert launcher.wait(timeout=50) == 0
+  assert time.monotonic() - t0 < 40
