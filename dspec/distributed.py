@@ -8,8 +8,10 @@ decisions from them; only process 0 writes outputs and logs (`is_main`,
 `quiet_unless_main`). On CPU the processes talk through the distributed CPU client with
 gloo collectives.
 
-Failures end in one line each and never wait forever: a coordinator nobody answers at
-(`timeout_s`), processes that disagree on `num_processes` or never all join, and a peer that
+Failures end in one line each, exit status 1, and never wait forever: a coordinator nobody
+answers at (`timeout_s`), a coordinator port some other program holds, an address where
+something else answers, processes that disagree on `num_processes` or never all join (a
+watchdog ends the join at `timeout_s`, before the runtime would abort), and a peer that
 dies (its collectives fail; `peer_failure`). docs/SCALE.md has the launch commands.
 """
 
@@ -22,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -104,6 +107,36 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
       time.sleep(0.2)
 
 
+def check_port_free(address: str) -> None:
+  """UserError when process 0 could not serve on `address`'s port (another program holds
+  it; the runtime would die in a native abort instead)."""
+  _, port = parse_coordinator(address)
+  with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as probe:
+    try:
+      probe.bind(('', port))
+    except OSError as e:
+      raise UserError(f'--coordinator={address}: port {port} is in use on this machine '
+                      f'({e.strerror or e}); process 0 serves there: pick a free port') from None
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, message: str):
+  """Ends the process (one `error:` line, status 1) if the block runs past `seconds`: a
+  join can wait on a peer that never answers, or on a server that is not a coordinator."""
+  finished = threading.Event()
+
+  def watch():
+    if not finished.wait(seconds):
+      os.write(2, f'error: {message}\n'.encode())
+      os._exit(1)
+
+  threading.Thread(target=watch, daemon=True, name='dspec-join-deadline').start()
+  try:
+    yield
+  finally:
+    finished.set()
+
+
 @contextlib.contextmanager
 def _fatal_runtime_errors_as_one_line(message: str):
   """Native stderr goes through `_FATAL_FILTER` (a child process, so it outlives an abort)
@@ -160,23 +193,28 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     raise UserError('jax.distributed is already initialized in this process')
   if jax.config.jax_cpu_collectives_implementation in (None, 'none'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if coordinator is not None and process_id == 0:
+    check_port_free(coordinator)
   if coordinator is not None and process_id != 0:
     wait_for_coordinator(coordinator, timeout_s)
   logging.getLogger('jax._src.distributed').setLevel(logging.WARNING)
   where = coordinator or 'the cluster environment'
   message = (f'not every process joined through the coordinator at {where} within '
              f'{timeout_s:g} s: is each one started, with the same --num_processes?')
-  with _fatal_runtime_errors_as_one_line(message):
+  # The runtime's own timeout (a native abort) is set past the watchdog's.
+  with _fatal_runtime_errors_as_one_line(message), _deadline(timeout_s, message):
     try:
       jax.distributed.initialize(coordinator, num_processes, process_id,
-                                 initialization_timeout=int(max(1, timeout_s)),
+                                 initialization_timeout=min(int(max(1, timeout_s)) + 30,
+                                                            int(MAX_TIMEOUT_S)),
                                  heartbeat_timeout_seconds=heartbeat_timeout_s,
                                  shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     except (RuntimeError, ValueError) as e:   # no cluster detected, bad environment
       raise UserError(f'cannot initialize jax.distributed from {where}: '
                       f'{str(e).strip().splitlines()[0]}') from None
   if num_processes is not None:
-    _agree_on_process_count(num_processes, timeout_s)
+    with _deadline(timeout_s, message):
+      _agree_on_process_count(num_processes, timeout_s)
 
 
 def active() -> bool:

@@ -13,6 +13,7 @@ process groups, so a failing test leaves no process behind.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -124,6 +125,25 @@ def test_failure_modes_are_one_line_each():
     assert p.returncode != 0
     assert len(_error_lines(err)) == 1, err[-2000:]
     assert 'Traceback' not in err
+  # Process 0 alone: the others never join; the watchdog ends it with status 1 (the
+  # runtime's own timeout was a native abort, SIGABRT).
+  port = free_port()
+  proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
+               '--num_processes=2', '--process_id=0'], 90, _cpu_env(1))
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert len(_error_lines(proc.stderr)) == 1 and 'not every process joined' in proc.stderr
+  # Process 0's port held by another program; process 1 at an address where something
+  # that is not a coordinator answers: each one line, status 1, within the timeout.
+  with socket.socket() as other_server:
+    other_server.bind(('127.0.0.1', 0))
+    other_server.listen()
+    held = f'--coordinator=127.0.0.1:{other_server.getsockname()[1]}'
+    for process_id, expected in (('0', 'is in use'), ('1', 'not every process joined')):
+      proc = _run([sys.executable, *common, held, '--num_processes=2',
+                   f'--process_id={process_id}'], 90, _cpu_env(1))
+      assert proc.returncode == 1, proc.stderr[-2000:]
+      errors = _error_lines(proc.stderr)
+      assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
   # Bad flags: one line before anything starts.
   proc = _run([sys.executable, *common, '--coordinator=127.0.0.1', '--num_processes=2',
                '--process_id=0'], 60, _cpu_env(1))
