@@ -46,7 +46,7 @@ NO_STEP_LIMIT = 2**31 - 1
 @functools.lru_cache(maxsize=256)
 def device_scalar(value, dtype=np.int32) -> jax.Array:
   """`value` as a device scalar of `dtype`, transferred once: chunk limits repeat, and
-  each transfer costs host time (~0.2-0.5 ms on the 2-core CPU) at every chunk boundary."""
+  each transfer costs host time at every chunk boundary."""
   return jax.device_put(np.dtype(dtype).type(value))
 
 

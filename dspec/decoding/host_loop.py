@@ -23,8 +23,8 @@ walks that take a few drafts there rarely precede a stretch that pays), the chun
 4× instead of 2×, and each is queued behind the one before it, which is then read back
 and judged while the device runs it (the device never waits on the host between them;
 their verdict acts a chunk late; none under a chunk that ends the generation, where it
-could not act): with ~1.5 ms per device call and ~1-2 ms per idle wait at B = 1 here,
-fewer calls and no waits are what AR parity needs.
+could not act): at B = 1 a device call and an idle wait each cost about an AR step's
+share of host time, so fewer calls and no waits are what AR parity needs.
 Speculation resumes when the walk's tokens per step beat the cost of a speculative step
 in AR steps: `step_cost`, or else the median wall time of the loop's recent speculative
 steps over that of its recent AR tokens, kept by the `ARFallback` across generations
@@ -265,7 +265,7 @@ def compile_step_widths(engine, target_params, drafter_params, state,
   `max_chunk`, before the loop (the runner calls it; the loop alone compiles each when
   first used): no generation then compiles mid-way. Each runs once on a copy of `state`
   with a full proposal and an AR step, and is waited for: XLA:CPU's first run of a
-  program's verify or AR loop costs ~70 ms more than later runs here, and so do runs still
+  program's verify or AR loop costs more than later runs, and so do runs still
   queued on the device when the loop starts; the loop's timings would keep either as the
   price of a step."""
   ar_engine = None if fallback is None else fallback.engine

@@ -44,7 +44,7 @@ class SuffixTree:
   Nodes are ints (`ROOT` is 0) indexing flat storage: a count and a {token: node} dict
   each. Dicts of ints are invisible to Python's garbage collector, so building a trie of
   thousands of nodes never triggers a full collection of the process (object nodes did:
-  ~170 ms pauses in a decode loop).
+  long pauses in a decode loop).
   """
 
   ROOT = 0
