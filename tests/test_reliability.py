@@ -1003,7 +1003,7 @@ def test_bad_knobs_are_one_error_line_from_decode(args, message):
 # never holds two models; a failed write is one line naming the output and replaces
 # nothing; one error hierarchy (`dspec.errors`) for the API and the scripts.
 
-_OUTPUT_FLAG = re.compile(r'(^|_)(out|json|table)($|_)|workdir')
+_OUTPUT_FLAG = re.compile(r'(^|_)(out|json|table)($|_)(?!schema)|workdir')   # json_schema: an input
 _INPUT_FLAGS = ('path', 'target', 'data', 'hf_dir', 'checkpoint', 'data_dir', 'drafters')
 # Scripts whose output checks live in the library function they call.
 _CHECKED_IN = {'distill.py': 'dspec/training/distill.py'}

@@ -2,8 +2,10 @@
 
 Each step: the device drafter proposes (`SpeculativeEngine.propose`; a host drafter
 proposes on the host instead), the host walks the proposal with each constrained row's
-matcher (`RowConstraints.plan`: one mask per verify position, forced drafts), the device
-verifies against the masked, renormalised target (`SpeculativeEngine.masked_step`), and
+matcher (`RowConstraints.plan`: one mask per verify position, forced drafts, proposals
+cut where the grammar rejects them), the device verifies against the masked, renormalised
+target (`SpeculativeEngine.masked_step`) at the width the longest proposal left needs
+(`host_loop.verify_width`: a cut proposal does not pay for the drafter's full width), and
 the matchers advance by what was committed. Plain AR (`NoDrafter`) runs the same loop
 with one verify position: that is constrained AR, the reference the speculative output
 equals (T = 0) or matches in distribution (T > 0).
@@ -17,7 +19,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from dspec.decoding.host_loop import read_back
+from dspec.decoding.host_loop import read_back, verify_width
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal, StepMasks
 from dspec.structured.matcher import RowConstraints
@@ -58,11 +60,16 @@ def generate_constrained(engine, target_params, drafter_params, state,
       tokens_BG, num_B = jax.device_get((proposal.tokens_BG, proposal.num_proposed_B))
       q_BGV, synced = proposal.q_BGV, True
     room_B = max_new - (num - prompt_len_B)
-    tokens_BG, num_B, *masks = rows.plan(tokens_BG, num_B, room_B, done,
-                                         stochastic_q=q_BGV is not None)
-    proposal = Proposal(*jax.device_put((tokens_BG, num_B)), q_BGV)
-    state = engine.masked_step(target_params, drafter_params, state, proposal,
-                               StepMasks(*jax.device_put(masks)), synced=synced)
+    tokens_BG, num_B, allowed_BGW, forced_BG, own_B = rows.plan(
+        tokens_BG, num_B, room_B, done, stochastic_q=q_BGV is not None)
+    g = verify_width(int(np.max(np.where(done, 0, num_B))), engine.num_draft)
+    if q_BGV is not None and g < q_BGV.shape[1]:
+      q_BGV = q_BGV[:, :g]
+    proposal = Proposal(*jax.device_put((tokens_BG[:, :g], num_B)), q_BGV)
+    masks = StepMasks(*jax.device_put((allowed_BGW[:, :g + 1], forced_BG[:, :g],
+                                       np.minimum(own_B, g))))
+    state = engine.masked_step(target_params, drafter_params, state, proposal, masks,
+                               synced=synced)
     before = num
     num, done = read_back(state, sequences, num, width)
     rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])

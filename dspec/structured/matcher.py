@@ -91,9 +91,11 @@ class RowConstraints:
   def _walk(self, m, tokens_G, num: int, room: int, allowed_GW, forced_G,
             stochastic_q: bool) -> tuple:
     """Fills one row's masks (and forced drafts) along its proposal; returns (drafts it
-    verifies, how many of them are the drafter's own). A draft the grammar rejects is
-    kept as the last one (the verify rejects it: p = 0 there), unless a forced token
-    replaces it."""
+    verifies, how many of them are the drafter's own). A draft the grammar rejects ends
+    the proposal there, unless a forced token replaces it; one sampled from a stochastic
+    q stays as the last draft instead (the verify rejects it, p = 0 there, and its
+    residual max(p - q, 0) is not p: dropping it would change the output's law), where a
+    deterministic one's residual is p itself."""
     forced = _Forced()
     consumed = j = 0
     own = min(num, room)
@@ -107,7 +109,8 @@ class RowConstraints:
           forced_G[j] = f
         if m.try_consume_tokens([int(tokens_G[j])]) != 1:
           if f < 0 or m.try_consume_tokens([f]) != 1:
-            j += 1   # the rejected draft, verified last
+            forced_G[j] = -1   # nothing replaces it here: its law is q
+            j += stochastic_q  # verified last (and rejected), or not verified at all
             break
           tokens_G[j] = forced_G[j] = f
       elif f < 0 or m.try_consume_tokens([f]) != 1:
