@@ -72,7 +72,11 @@ class Constraint:
 
 
 def _first_line(text: str) -> str:
-  return ' '.join(text.strip().split('\n')[0].split())
+  """llguidance's message on one line: its first line, and its `error:` line if any."""
+  lines = text.strip().split('\n')
+  detail = next((l.strip()[len('error:'):].strip() for l in lines[1:]
+                 if l.strip().startswith('error:')), '')
+  return ' '.join(lines[0].split()) + (f' ({detail})' if detail else '')
 
 
 @functools.lru_cache(maxsize=8)
@@ -103,7 +107,13 @@ class CompiledConstraint:
   tokenizer: object   # llguidance.LLTokenizer
 
   def matcher(self):
-    return llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+    """A fresh matcher at the start of the constraint: a copy of one built once (building
+    one compiles the grammar; a copy is far cheaper, which a batch of many rows needs)."""
+    start = self.__dict__.get('_start')
+    if start is None:
+      start = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+      object.__setattr__(self, '_start', start)
+    return start.deep_copy()
 
 
 def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int,
