@@ -336,8 +336,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   if placement:
     drafter_params = placement.put_params(drafter_params)
   if constrained:   # chains verified whole: the host masks every step
-    engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
-                               trace=trace)
+    engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length='fixed',
+                                trace=trace)
     progress('structured output: ' + ', '.join(sorted(
         {c.constraint.kind for c in constrained.compiled if c})) +
              (f'; verify_length={verify_length} verifies every proposal whole under a '
@@ -411,20 +411,17 @@ def constrained_run(target: Target, constraints, num_rows: int, verify_length: s
   (or None) per prompt; None or all None: none. UserError before anything compiles for a
   constraint that does not compile, or a mode that cannot verify one."""
   from dspec.structured import Constraint, compile_constraint
-  if constraints is None:
-    if getattr(drafter, 'needs_constraint', False):
-      raise UserError('drafter grammar drafts only the tokens a constraint forces: give a '
-                      'json_schema, regex or grammar')
-    return None
   per_row = ([constraints] * num_rows if isinstance(constraints, Constraint)
-             else list(constraints))
+             else list(constraints or [None] * num_rows))
   if len(per_row) != num_rows or not all(c is None or isinstance(c, Constraint)
                                          for c in per_row):
     raise UserError(f'constraints: one Constraint for every prompt, or a list of one '
                     f'Constraint (or None) per prompt ({num_rows}), got {constraints!r:.80}')
   if all(c is None for c in per_row):
-    return constrained_run(target, None, num_rows, verify_length, placement, drafter,
-                           forced_drafts)
+    if getattr(drafter, 'needs_constraint', False):
+      raise UserError('drafter grammar drafts only the tokens a constraint forces: give a '
+                      'json_schema, regex or grammar')
+    return None
   if verify_length in ('tree', 'auto_tree'):
     raise UserError(f'structured output verifies chains: verify_length={verify_length} '
                     'cannot be combined with a constraint (use fixed or auto)')
