@@ -1,6 +1,8 @@
 """Shape buckets: `dspec.generate` compiles per bucket of prompt width and token buffer,
 not per prompt length or budget, with outputs unchanged; `dspec.warmup` compiles ahead."""
 
+import time
+
 import jax
 import pytest
 from flax import nnx
@@ -166,3 +168,36 @@ def _exact_rows(target, rows):
   prompt_BP, lens = pad_prompts(rows)
   return generated_ids(engine.generate(params, None, engine.prefill(
       params, None, prompt_BP, lens, max_new_tokens=NEW)))
+
+
+def test_a_hundred_calls_stay_compiled_flat_and_fast(target, drafters):
+  """What a notebook does (issue 59): a learned drafter under the default `auto`, warmed up
+  once, then 100 `generate` calls over 100 distinct prompt lengths (up to the largest
+  bucket) and three budgets. The calls compile nothing (the bound: what the warm-up
+  compiled), memory mappings and RSS stay within 10% of the warm-up's, and each call takes
+  at most 1.5x its own prefill + decode time (no compile or profile inside it)."""
+  from dspec.compiled_programs import memory_map_count
+
+  def rss_mb():
+    with open('/proc/self/status') as f:
+      return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:')) / 1024
+
+  drafter = drafters['mtp']
+  lengths, budgets = list(range(2, 102)), (4, 8, 12)
+  with counting_compiles() as warmup_compiles:
+    for budget in budgets:
+      dspec.warmup(target, drafter, prompt_lengths=lengths, max_new_tokens=budget)
+  maps, rss = memory_map_count(), rss_mb()
+  slow = []
+  with counting_compiles() as call_compiles:
+    for i, length in enumerate(lengths):
+      t0 = time.perf_counter()
+      out = dspec.generate(target, [[1 + (7 * j) % 200 for j in range(length)]], drafter,
+                           max_new_tokens=budgets[i % 3])
+      wall = time.perf_counter() - t0
+      own = out.metrics['decode_s'] + out.metrics['ttft_s']
+      if wall > 1.5 * own:
+        slow.append((length, round(wall, 4), round(own, 4)))
+  assert warmup_compiles and call_compiles == [], call_compiles
+  assert abs(memory_map_count() - maps) <= 0.1 * maps and abs(rss_mb() - rss) <= 0.1 * rss
+  assert not slow, slow
