@@ -6,7 +6,10 @@ matcher (`RowConstraints.plan`: one mask per verify position, forced drafts, pro
 cut where the grammar rejects them), the device verifies against the masked, renormalised
 target (`SpeculativeEngine.masked_step`) at the width the longest proposal left needs
 (`host_loop.verify_width`: a cut proposal does not pay for the drafter's full width), and
-the matchers advance by what was committed. Plain AR (`NoDrafter`) runs the same loop
+the matchers advance by what was committed. A `TreeEngine` drafts its tree on the device
+(`TreeEngine.propose`), the host walks every node with the matchers
+(`RowConstraints.tree_masks`) and the tree is verified against the masked target
+(`TreeEngine.masked_step`). Plain AR (`NoDrafter`) runs the same loop
 with one verify position: that is constrained AR, the reference the speculative output
 equals (T = 0) or matches in distribution (T > 0).
 """
@@ -22,6 +25,7 @@ import numpy as np
 from dspec.decoding.host_loop import read_back, verify_width
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal, StepMasks
+from dspec.decoding.tree_engine import TreeEngine
 from dspec.structured.matcher import RowConstraints
 
 
@@ -50,6 +54,16 @@ def generate_constrained(engine, target_params, drafter_params, state,
       state.max_new_tokens))
   sequences = row_tokens(tokens, num)
   rows.commit([[seq[-1]] for seq in sequences])   # the prefill's token
+  if isinstance(engine, TreeEngine):
+    width = engine.max_depth + 1
+    while not np.all(done):
+      state, tree = engine.propose(target_params, drafter_params, state)
+      allowed_BNW = rows.tree_masks(*jax.device_get((tree.tokens_BN, tree.parents_BN,
+                                                     tree.num_nodes_B)), done)
+      state = engine.masked_step(target_params, drafter_params, state, tree,
+                                 jax.device_put(allowed_BNW))
+      num, done = _commit(state, sequences, num, width, rows)
+    return state
   width = engine.num_draft + 1
   while not np.all(done):
     if host_drafter is not None:
@@ -70,9 +84,16 @@ def generate_constrained(engine, target_params, drafter_params, state,
                                        np.minimum(own_B, g))))
     state = engine.masked_step(target_params, drafter_params, state, proposal, masks,
                                synced=synced)
-    before = num
-    num, done = read_back(state, sequences, num, width)
-    rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])
+    num, done = _commit(state, sequences, num, width, rows)
   if host_drafter is not None:
     host_drafter.finish(sequences)
   return state
+
+
+def _commit(state, sequences, num, width: int, rows: RowConstraints) -> tuple:
+  """Reads the step's committed tokens back into `sequences` and advances the matchers by
+  them; returns (tokens per row, done per row)."""
+  before = num
+  num, done = read_back(state, sequences, num, width)
+  rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])
+  return num, done

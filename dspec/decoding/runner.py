@@ -335,13 +335,15 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
   if placement:
     drafter_params = placement.put_params(drafter_params)
-  if constrained:   # chains verified whole: the host masks every step
-    engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length='fixed',
-                                trace=trace)
+  if constrained:   # proposals verified whole: the host masks every step
+    whole = 'tree' if 'tree' in verify_length else 'fixed'
+    engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=whole,
+                                trace=trace, tree=tree)
     progress('structured output: ' + ', '.join(sorted(
         {c.constraint.kind for c in constrained.compiled if c})) +
-             (f'; verify_length={verify_length} verifies every proposal whole under a '
-              'constraint' if verify_length == 'auto' else ''))
+             (f'; verify_length={verify_length} verifies every '
+              f'{"tree" if whole == "tree" else "proposal"} whole under a constraint'
+              if verify_length.startswith('auto') else ''))
   else:
     engine = speculative_engine(graphdef, drafter, spec, stop_ids,
                                 verify_length=verify_length, trace=trace,
@@ -422,9 +424,6 @@ def constrained_run(target: Target, constraints, num_rows: int, verify_length: s
       raise UserError('drafter grammar drafts only the tokens a constraint forces: give a '
                       'json_schema, regex or grammar')
     return None
-  if verify_length in ('tree', 'auto_tree'):
-    raise UserError(f'structured output verifies chains: verify_length={verify_length} '
-                    'cannot be combined with a constraint (use fixed or auto)')
   if placement is not None:
     raise UserError('structured output runs on one device: drop --config.mesh')
   vocab = target.model.cfg.vocab_size

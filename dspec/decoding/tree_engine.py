@@ -19,7 +19,8 @@ at most `num_nodes` nodes. A step:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,8 @@ from flax import nnx
 
 from dspec.compiled_programs import ProgramCache
 from dspec.config_checks import check_int
-from dspec.decoding.engine import NO_STEP_LIMIT, SpeculativeEngine, device_scalar
+from dspec.decoding.engine import (NO_STEP_LIMIT, SpeculativeEngine, device_scalar,
+                                   mask_logits)
 from dspec.decoding.state import DecodeState, TreeTrace
 from dspec.decoding.tree import DraftTree, compact_path
 from dspec.decoding.tree_verification import verify_tree
@@ -125,21 +127,49 @@ class TreeEngine:
   def num_draft(self) -> int:
     return self.engine.num_draft
 
-  def step_fn(self, target_params, drafter_params, state: DecodeState) -> DecodeState:
+  def _draft(self, target, drafter_params, state: DecodeState, key_draft) -> tuple:
+    """(synced drafter state, the step's tree: anchor at node 0, fitted to the buffer)."""
     eng = self.engine
-    target = nnx.merge(eng.target_graphdef, target_params)
-    b = state.tokens_BL.shape[0]
-    rows = jnp.arange(b)
-    key_draft, key_verify = jax.random.split(jax.random.fold_in(state.key, state.step))
     ctx = eng.context(state)
     dstate = eng.drafter.sync(drafter_params, state.drafter_state, target, ctx)
     tree = self.proposer.propose_tree(eng.drafter, drafter_params, dstate, target, ctx,
                                       key_draft, self.num_nodes)
-    start_B = state.cache.lengths_B
+    rows = jnp.arange(state.tokens_BL.shape[0])
     tree = fit_tree(tree, state.tokens_BL[rows, state.num_tokens_B - 1],
-                    target.cfg.vocab_size, state.cache.max_len - start_B)
+                    target.cfg.vocab_size, state.cache.max_len - state.cache.lengths_B)
+    return dstate, tree
+
+  def _keys(self, state: DecodeState):
+    """(draft key, verify key) of the state's step."""
+    return jax.random.split(jax.random.fold_in(state.key, state.step))
+
+  def propose_fn(self, target_params, drafter_params, state: DecodeState):
+    """The first half of `step_fn`: (state with the drafter synced, its tree), for a host
+    that masks the tree's nodes before `step_fn(..., synced=True)` verifies it."""
+    target = nnx.merge(self.engine.target_graphdef, target_params)
+    dstate, tree = self._draft(target, drafter_params, state, self._keys(state)[0])
+    return state.replace(drafter_state=dstate), tree
+
+  def step_fn(self, target_params, drafter_params, state: DecodeState,
+              tree: Optional[DraftTree] = None, allowed_BNW=None, *,
+              synced: bool = False) -> DecodeState:
+    """One draft → verify → accept → commit step. Structured output passes the tree
+    `propose_fn` drafted (`synced`) and `allowed_BNW`, each node's allowed next tokens
+    (packed bitmasks): the verify scores every node against the masked target."""
+    eng = self.engine
+    target = nnx.merge(eng.target_graphdef, target_params)
+    b = state.tokens_BL.shape[0]
+    rows = jnp.arange(b)
+    key_draft, key_verify = self._keys(state)
+    if synced:
+      dstate = state.drafter_state
+    else:
+      dstate, tree = self._draft(target, drafter_params, state, key_draft)
+    start_B = state.cache.lengths_B
     out = tree_forward(target, tree, state.cache, eng.drafter.taps)
-    n_B, path_BD1, emitted_BD1 = verify_tree(key_verify, tree, out.logits_BTV, eng.sampling,
+    logits_BNV = out.logits_BTV if allowed_BNW is None else mask_logits(out.logits_BTV,
+                                                                        allowed_BNW)
+    n_B, path_BD1, emitted_BD1 = verify_tree(key_verify, tree, logits_BNV, eng.sampling,
                                              state.temperature, state.top_p, self.max_depth)
     along = lambda x: x[rows[:, None], path_BD1]
     path_out = out._replace(logits_BTV=None, hidden_BTD=along(out.hidden_BTD),
@@ -235,9 +265,28 @@ class TreeEngine:
   def generate(self, target_params, drafter_params, state) -> DecodeState:
     return self.run(target_params, drafter_params, state)
 
+  def warm_marks(self, tokens_shape) -> set:
+    """See `SpeculativeEngine.warm_marks`."""
+    return _programs(self, tokens_shape).setdefault('warm', set())
+
+  def propose(self, target_params, drafter_params, state):
+    """`propose_fn` jitted (the state is donated)."""
+    return _programs(self, state.tokens_BL.shape)['propose'](target_params, drafter_params,
+                                                             state)
+
+  def masked_step(self, target_params, drafter_params, state, tree: DraftTree,
+                  allowed_BNW) -> DecodeState:
+    """`step_fn` jitted on `propose`'s state and tree, each node's logits masked by
+    `allowed_BNW` (the state is donated)."""
+    return _programs(self, state.tokens_BL.shape)['step_synced'](
+        target_params, drafter_params, state, tree, allowed_BNW)
+
 
 @ProgramCache
 def _programs(engine: TreeEngine) -> dict:
   """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
   return {'run': jax.jit(engine.run_fn, donate_argnums=2),
+          'propose': jax.jit(engine.propose_fn, donate_argnums=2),
+          'step_synced': jax.jit(functools.partial(engine.step_fn, synced=True),
+                                 donate_argnums=2),
           'trace_zeros': jax.jit(TreeTrace.zeros, static_argnums=(0, 1, 2))}

@@ -123,6 +123,44 @@ class RowConstraints:
     m.rollback(consumed)
     return j, min(j, own)
 
+  def tree_masks(self, tokens_BN: np.ndarray, parents_BN: np.ndarray,
+                 num_nodes_B: np.ndarray, done_B: np.ndarray) -> np.ndarray:
+    """[B, N, W] packed bitmasks: the tokens allowed after each node of a step's token
+    tree (node 0, the anchor: after the committed tokens), walked depth first with the
+    matcher and rolled back. A node the grammar rejects is never accepted (p = 0 at its
+    parent), so its subtree's masks stay all-ones. Trees draft no forced tokens."""
+    t0 = time.perf_counter()
+    b, n = tokens_BN.shape
+    allowed_BNW = np.full((b, n, self.words), ALL_ALLOWED, np.int32)
+    for row, m in enumerate(self.matchers):
+      if m is None or done_B[row]:
+        continue
+      children = [[] for _ in range(n)]
+      for node in range(1, int(num_nodes_B[row])):
+        if 0 <= parents_BN[row, node] < node:
+          children[int(parents_BN[row, node])].append(node)
+      self._walk_tree(m, tokens_BN[row], children, allowed_BNW[row])
+    self.host_s += time.perf_counter() - t0
+    return allowed_BNW
+
+  @staticmethod
+  def _walk_tree(m, tokens_N, children, allowed_NW) -> None:
+    """Fills the masks of the nodes reachable in the grammar (an explicit stack: a tree
+    may be a chain deeper than Python's recursion limit)."""
+    stack = [(0, 'enter')]
+    while stack:
+      node, action = stack.pop()
+      if action == 'leave':
+        m.rollback(1)
+        continue
+      if node and m.try_consume_tokens([int(tokens_N[node])]) != 1:
+        continue
+      if node:
+        stack.append((node, 'leave'))
+      llguidance.numpy.fill_next_token_bitmask(m, allowed_NW, node)
+      if not m.is_stopped():
+        stack.extend((child, 'enter') for child in reversed(children[node]))
+
   def commit(self, new_tokens: Sequence[Sequence[int]]) -> None:
     """Advances each row's matcher by the tokens its step committed."""
     t0 = time.perf_counter()

@@ -8,7 +8,8 @@ schema, in a ragged batch with an unconstrained row, and AR itself is the masked
 exact law (enumerated with llguidance's own masks), chi-square over thousands of rows, with
 adversarial drafters: drafts always outside the grammar, a q concentrated on disallowed
 tokens (with random draft counts, so forced tokens are appended past the drafter's own),
-and drafts that are mostly valid; forced drafts on and off. The small target there has a
+drafts that are mostly valid, and token trees whose siblings are all invalid or mixed;
+forced drafts on and off. Trees at T = 0: every tree drafter equals constrained AR. The small target there has a
 28-token tokenizer of its own, so the joint has a few dozen cells. (3) Bad constraints are
 one ValueError before anything compiles. (4) The decode CLI.
 """
@@ -38,6 +39,7 @@ from dspec.decoding.drafters.forced import ForcedTokenDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.runner import Target
 from dspec.decoding.state import Proposal
+from dspec.decoding.tree import DraftTree
 from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
@@ -168,6 +170,23 @@ def test_every_drafter_equals_constrained_ar(demo_target, demo_drafter, referenc
       _check_matches(text, kinds)
   if name == 'grammar':   # JSON keys and punctuation are forced: some drafts accepted
     assert out.metrics['tau'] > 1.0
+
+
+TREE_DRAFTERS = ['ngram', 'mtp', 'eagle3', 'dflash', 'dflash2', 'dspark']
+
+
+@pytest.mark.parametrize('name', TREE_DRAFTERS)
+def test_every_tree_drafter_equals_constrained_ar(demo_target, demo_drafter, reference,
+                                                  name):
+  """Token trees (each drafter's own proposer, 32 nodes): every node is masked by the
+  matcher state of its path; MTP also under auto_tree, which verifies the whole tree."""
+  modes = ['tree', 'auto_tree'] if name == 'mtp' else ['tree']
+  for mode in modes:
+    out = dspec.generate(demo_target, PROMPTS, demo_drafter(name), max_new_tokens=MAX_NEW,
+                         verify_length=mode, **CONSTRAINTS)
+    assert out.ids == reference.ids, (name, mode, out.texts, reference.texts)
+    assert out.metrics['constraint_complete'] == reference.metrics['constraint_complete']
+    assert out.metrics['nodes_verified_per_step'] > 1.0
 
 
 def test_forced_drafts_off_fixed_verify_and_a_short_budget(demo_target, demo_drafter,
@@ -351,9 +370,66 @@ class StochasticDrafter(SelfDrafter):
                     jnp.stack(qs, axis=1))
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedTrees:
+  """Deterministic trees of fixed tokens, by row parity. Even rows, 'invalid_siblings': the
+  root's children are every token the grammar never allows. Odd rows, 'mixed': six of the
+  grammar's tokens and the invalid ones interleaved under the root, under each of the
+  first four of them an invalid token and two grammar tokens, and under each of those a
+  grammar token (30 nodes): a node's mask must be its own path's."""
+
+  good: tuple
+  bad: tuple
+
+  def _shape(self, mixed: bool) -> tuple:
+    if not mixed:
+      return [0] + list(self.bad), [-1] + [0] * len(self.bad)
+    tokens, parents = [0], [-1]
+
+    def add(token, parent):
+      tokens.append(token)
+      parents.append(parent)
+      return len(tokens) - 1
+    firsts = [t for pair in zip(self.good, self.bad) for t in pair] + list(self.good[3:6])
+    depth1 = [add(t, 0) for t in firsts]
+    for node in depth1[:4]:
+      for t in (self.bad[0], self.good[0], self.good[-1]):
+        child = add(t, node)
+        if t != self.bad[0]:
+          add(self.good[1], child)
+    return tokens, parents
+
+  def propose_tree(self, drafter, params, state, target, ctx, key, num_nodes):
+    del drafter, params, state, target, key
+    shapes = [self._shape(mixed) for mixed in (False, True)]
+    n = max(len(t) for t, _ in shapes)
+    assert n <= num_nodes, (n, num_nodes)
+    pad = lambda xs, fill: np.asarray(xs + [fill] * (n - len(xs)), np.int32)
+    tokens_2N = np.stack([pad(t, 0) for t, _ in shapes])
+    parents_2N = np.stack([pad(p, -1) for _, p in shapes])
+    parity_B = jnp.arange(ctx.tokens_BL.shape[0]) % 2
+    return DraftTree(jnp.asarray(tokens_2N)[parity_B], jnp.asarray(parents_2N)[parity_B],
+                     jnp.asarray([len(t) for t, _ in shapes], jnp.int32)[parity_B])
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAdversary(OutsideDrafter):
+  """`FixedTrees` under tree verification (its chain: `OutsideDrafter`'s)."""
+
+  good: tuple = ()
+  bad: tuple = ()
+
+  def tree_proposer(self, top_k: int):
+    del top_k
+    return FixedTrees(self.good, self.bad)
+
+
 def _chi_drafter(name: str, target):
   if name == 'outside':
     return OutsideDrafter(num_draft=2, token=_invalid_tokens(target)[0])
+  if name == 'trees':
+    return TreeAdversary(num_draft=3, token=_invalid_tokens(target)[0],
+                         good=_grammar_tokens(target), bad=_invalid_tokens(target))
   assert name == 'stochastic'
   return StochasticDrafter(num_draft=2, good=_grammar_tokens(target),
                            bad=_invalid_tokens(target))
@@ -379,6 +455,26 @@ def _pvalues(samples: list, joint: dict) -> dict:
 # With them off, 'outside' makes the same draws as AR (its draft is rejected with p = 0, the
 # residual is p itself), so it is AR's check too.
 CHI_CASES = [('outside', 0.7, 0.9), ('stochastic', 1.0, 1.0), ('stochastic', 0.7, 0.9)]
+
+
+@pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_joint_of_adversarial_trees_equals_the_constrained_target(small, temperature,
+                                                                          top_p):
+  """Tree verification under a constraint (`FixedTrees`): siblings all invalid, and
+  grammar and invalid tokens mixed over three depths."""
+  prompt = small.tokenizer.encode(CHI_PROMPT)
+  out = dspec.generate(small, [prompt] * (CHI_ROWS * 2), Drafter('trees', _chi_drafter(
+      'trees', small)), regex=CHI_REGEX, max_new_tokens=CHI_TOKENS, temperature=temperature,
+                       top_p=top_p, seed=2, verify_length='tree')
+  joint = exact_joint(small, temperature, top_p)
+  for i, group in enumerate(['invalid_siblings', 'mixed']):
+    samples = [tuple(ids) + (0,) * (CHI_TOKENS - len(ids)) for ids in out.ids[i::2]]
+    pvalues = _pvalues(samples, joint)
+    tau = np.mean([m['tau'] for m in out.per_prompt[i::2]])
+    print(f'{group} T={temperature} top_p={top_p}: p(joint of d tokens) '
+          + ' '.join(f'{d}: {p:.3g}' for d, p in pvalues.items()) + f'  tau={tau:.3f}')
+    assert min(pvalues.values()) > ALPHA, (group, pvalues)
+    assert (tau > 1.1) if group == 'mixed' else (tau == 1.0)   # mixed: paths accepted
 
 
 @pytest.mark.parametrize('forced', [True, False], ids=['forced', 'unforced'])
@@ -499,11 +595,6 @@ def test_modes_that_cannot_take_a_constraint_are_refused(small, no_compile):
   grammar = Drafter('grammar', ForcedTokenDrafter(num_draft=3))
   with pytest.raises(ValueError, match='drafts only the tokens a constraint forces'):
     dspec.generate(small, [prompt], grammar, max_new_tokens=4)
-  ngram = dspec.load_drafter('ngram', target=small)
-  for mode in ('tree', 'auto_tree'):
-    with pytest.raises(ValueError, match=f'verify_length={mode} cannot be combined'):
-      dspec.generate(small, [prompt], ngram, max_new_tokens=4, regex=CHI_REGEX,
-                     verify_length=mode)
   ids_only = Target(small.model, IdsOnlyTokenizer(small.model.cfg.vocab_size,
                                                   eos_ids=(0,)), 64)
   with pytest.raises(ValueError, match='needs a model with a tokenizer.json'):
