@@ -46,7 +46,7 @@ class Constrained:
 
 def generate_constrained(engine, target_params, drafter_params, state,
                          rows: RowConstraints, host_drafter=None):
-  """Decodes `state` (a prefill whose first tokens `rows.first_masks()` restricted) to the
+  """Decodes `state` (a prefill whose first tokens `rows.next_masks()` restricted) to the
   end under `rows`' constraints; returns the final state. host_drafter: a `HostDrafter`
   (already started) proposing instead of the device drafter."""
   tokens, num, done, prompt_len_B, max_new = jax.device_get((
@@ -58,8 +58,9 @@ def generate_constrained(engine, target_params, drafter_params, state,
     width = engine.max_depth + 1
     while not np.all(done):
       state, tree = engine.propose(target_params, drafter_params, state)
+      next_BW = rows.next_masks(done)   # while the device drafts
       allowed_BNW = rows.tree_masks(*jax.device_get((tree.tokens_BN, tree.parents_BN,
-                                                     tree.num_nodes_B)), done)
+                                                     tree.num_nodes_B)), done, next_BW)
       state = engine.masked_step(target_params, drafter_params, state, tree,
                                  jax.device_put(allowed_BNW))
       num, done = _commit(state, sequences, num, width, rows)
@@ -67,15 +68,17 @@ def generate_constrained(engine, target_params, drafter_params, state,
   width = engine.num_draft + 1
   while not np.all(done):
     if host_drafter is not None:
+      next_BW = rows.next_masks(done)
       tokens_BG, num_B = host_drafter.propose(sequences, ~done)
       q_BGV, synced = None, False
     else:
       state, proposal = engine.propose(target_params, drafter_params, state)
+      next_BW = rows.next_masks(done)   # while the device drafts
       tokens_BG, num_B = jax.device_get((proposal.tokens_BG, proposal.num_proposed_B))
       q_BGV, synced = proposal.q_BGV, True
     room_B = max_new - (num - prompt_len_B)
     tokens_BG, num_B, allowed_BGW, forced_BG, own_B = rows.plan(
-        tokens_BG, num_B, room_B, done, stochastic_q=q_BGV is not None)
+        tokens_BG, num_B, room_B, done, stochastic_q=q_BGV is not None, next_BW=next_BW)
     g = verify_width(int(np.max(np.where(done, 0, num_B))), engine.num_draft)
     if q_BGV is not None and g < q_BGV.shape[1]:
       q_BGV = q_BGV[:, :g]

@@ -110,7 +110,7 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
   (`constrained_loop`)."""
   t0 = time.perf_counter()
   rows = constrained and constrained.start(prompt_BP.shape[0])
-  masked = {'allowed_BW': jax.device_put(rows.first_masks())} if rows else {}
+  masked = {'allowed_BW': jax.device_put(rows.next_masks())} if rows else {}
   state = engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B,
                          temperature=settings.temperature, top_p=settings.top_p,
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed,

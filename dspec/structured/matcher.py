@@ -53,30 +53,33 @@ class RowConstraints:
     self.forced_drafts = forced_drafts
     self.host_s = 0.0   # time in the matchers (masks, walks, commits)
 
-  def first_masks(self) -> np.ndarray:
-    """[B, W] int32: what each row's first token may be."""
+  def next_masks(self, done_B: Optional[np.ndarray] = None) -> np.ndarray:
+    """[B, W] int32: what each row's next token may be (its first, after the prefill; the
+    one after the anchor, in a step: the loop fills it while the device drafts). Rows
+    done (`done_B`) or unconstrained: every token."""
     t0 = time.perf_counter()
     allowed_BW = np.full((len(self.matchers), self.words), ALL_ALLOWED, np.int32)
     for b, m in enumerate(self.matchers):
-      if m is not None:
+      if m is not None and (done_B is None or not done_B[b]):
         llguidance.numpy.fill_next_token_bitmask(m, allowed_BW, b)
     self.host_s += time.perf_counter() - t0
     return allowed_BW
 
   def plan(self, tokens_BG: np.ndarray, num_B: np.ndarray, room_B: np.ndarray,
-           done_B: np.ndarray, stochastic_q: bool) -> tuple:
+           done_B: np.ndarray, stochastic_q: bool, next_BW: np.ndarray) -> tuple:
     """(drafts [B, G], number of drafts [B], allowed tokens [B, G + 1, W] (packed
     bitmasks), forced tokens [B, G] (-1: none), the drafter's own drafts [B]): the
     fields of the engine's `StepMasks`, for a step whose drafter proposed
     `num_B` of `tokens_BG` (G = its width, which forced drafts may fill). room_B: the most
     drafts each row can verify (its budget). stochastic_q: the drafts were sampled from
     a q of the drafter's (so a position with a forced token needs that token known even
-    where the drafter's draft is kept)."""
+    where the drafter's draft is kept). next_BW: `next_masks()` of this step."""
     t0 = time.perf_counter()
     b, g = tokens_BG.shape
     tokens_BG = np.array(tokens_BG, np.int32)
     num_B = np.array(num_B, np.int32)
     allowed_BGW = np.full((b, g + 1, self.words), ALL_ALLOWED, np.int32)
+    allowed_BGW[:, 0] = next_BW
     forced_BG = np.full((b, g), -1, np.int32)
     own_B = np.full((b,), g, np.int32)
     for row, m in enumerate(self.matchers):
@@ -100,7 +103,8 @@ class RowConstraints:
     consumed = j = 0
     own = min(num, room)
     while True:
-      llguidance.numpy.fill_next_token_bitmask(m, allowed_GW, j)
+      if j:   # position 0's mask: `next_masks`
+        llguidance.numpy.fill_next_token_bitmask(m, allowed_GW, j)
       if j >= room or m.is_stopped():
         break
       f = forced.next(m) if self.forced_drafts else -1
@@ -124,14 +128,17 @@ class RowConstraints:
     return j, min(j, own)
 
   def tree_masks(self, tokens_BN: np.ndarray, parents_BN: np.ndarray,
-                 num_nodes_B: np.ndarray, done_B: np.ndarray) -> np.ndarray:
+                 num_nodes_B: np.ndarray, done_B: np.ndarray,
+                 next_BW: np.ndarray) -> np.ndarray:
     """[B, N, W] packed bitmasks: the tokens allowed after each node of a step's token
     tree (node 0, the anchor: after the committed tokens), walked depth first with the
     matcher and rolled back. A node the grammar rejects is never accepted (p = 0 at its
-    parent), so its subtree's masks stay all-ones. Trees draft no forced tokens."""
+    parent), so its subtree's masks stay all-ones. Trees draft no forced tokens. next_BW:
+    `next_masks()` of this step (node 0's)."""
     t0 = time.perf_counter()
     b, n = tokens_BN.shape
     allowed_BNW = np.full((b, n, self.words), ALL_ALLOWED, np.int32)
+    allowed_BNW[:, 0] = next_BW
     for row, m in enumerate(self.matchers):
       if m is None or done_B[row]:
         continue
@@ -155,9 +162,9 @@ class RowConstraints:
         continue
       if node and m.try_consume_tokens([int(tokens_N[node])]) != 1:
         continue
-      if node:
+      if node:   # node 0's mask: `next_masks`
         stack.append((node, 'leave'))
-      llguidance.numpy.fill_next_token_bitmask(m, allowed_NW, node)
+        llguidance.numpy.fill_next_token_bitmask(m, allowed_NW, node)
       if not m.is_stopped():
         stack.extend((child, 'enter') for child in reversed(children[node]))
 
