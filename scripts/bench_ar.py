@@ -36,7 +36,7 @@ def main(argv):
   del argv
   files.check_outputs({'--out': _OUT.value}, force=_FORCE.value)
   from dspec.bench.timing import median_time, read_bandwidth_bytes_per_s
-  from dspec.decoding.engine import SpeculativeEngine
+  from dspec.decoding.runner import speculative_engine
   from dspec.models.config import TransformerConfig
   from dspec.models.transformer import Transformer
 
@@ -47,7 +47,7 @@ def main(argv):
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, _PROMPT_LEN.value))
   prompt = prompt.astype(np.int32)
   lens = np.array([_PROMPT_LEN.value], np.int32)
-  engine = SpeculativeEngine(graphdef)
+  engine = speculative_engine(graphdef)
   n = _NEW_TOKENS.value
 
   def prefill():

@@ -205,9 +205,8 @@ def main(argv):
   from dspec import files, loading
   from dspec.decoding import drafter as drafter_lib
   from dspec.decoding import runner
-  from dspec.decoding.controller import ControllerConfig, CostTable, VerifyLengthController
+  from dspec.decoding.controller import ControllerConfig, CostTable
   from dspec.decoding.drafters import registry
-  from dspec.decoding.engine import SpeculativeEngine
   from dspec.decoding.host_loop import ARFallback
   from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
   from dspec.metrics import acceptance_metrics
@@ -226,8 +225,7 @@ def main(argv):
   target, tokenizer, max_seq_len = loading.build_target(cfg.model)
   graphdef, params = nnx.split(target)
   stop_ids = tuple(tokenizer.stop_ids)
-  engine = lambda d: SpeculativeEngine(graphdef, drafter=d, sampling=spec,
-                                       stop_ids=stop_ids)
+  engine = lambda d: runner.speculative_engine(graphdef, d, spec, stop_ids, verify_length='fixed')
 
   # method -> (engine or controller, drafter params, host drafter?, host AR fallback)
   methods = {'ar': (engine(drafter_lib.NoDrafter()), None, None, None)}
@@ -253,9 +251,9 @@ def main(argv):
       tiers_of[name] = tuple(sorted({g for g in tier_flag if g < gamma} | {gamma, 0}))
       path = _COSTS.value and _COSTS.value.replace('{drafter}', name)
       costs = CostTable.load(path) if path and os.path.exists(path) else CostTable()
-      controllers[name] = (VerifyLengthController(
-          graphdef, drafter, sampling=spec, stop_ids=stop_ids, cost_table=costs,
-          config=ControllerConfig(tiers=tiers_of[name], objective=_OBJECTIVE.value)), path)
+      controllers[name] = (runner.speculative_engine(
+          graphdef, drafter, spec, stop_ids, cost_table=costs,
+          controller=ControllerConfig(tiers=tiers_of[name], objective=_OBJECTIVE.value)), path)
       methods[auto] = (controllers[name][0], dparams, False, None)
     info[auto] = {'drafter': name, 'verify_length': 'auto', 'num_draft': gamma}
 

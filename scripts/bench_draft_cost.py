@@ -63,7 +63,6 @@ def main(argv):
   from dspec.decoding import runner
   from dspec.decoding.drafters import registry
   from dspec.decoding.prompts import encode_prompts, pad_prompts
-  from dspec.decoding.engine import SpeculativeEngine
   cfg = _CONFIG.value
   try:
     widths = [int(k) for k in _VERIFY_CURVE.value]
@@ -83,7 +82,7 @@ def main(argv):
     drafter, dparams = registry.build_drafter(cfg, target)
     method = cfg.drafter
   graphdef, tparams = nnx.split(target)
-  engine = SpeculativeEngine(graphdef, drafter=drafter)
+  engine = runner.speculative_engine(graphdef, drafter, verify_length='fixed')
   state = engine.prefill(tparams, dparams, prompt_BP, prompt_len_B,
                          max_new_tokens=cfg.max_new_tokens)
   path = '' if _RANDOM_LAYERS.value else cfg.drafters.get(cfg.drafter, {}).get('path', '')

@@ -99,7 +99,7 @@ def no_proposal_study(cfg, target, graphdef, params, stop_ids) -> dict:
   from dspec.decoding.drafters.ngram import NgramDrafter
   from dspec.decoding.drafters.oracle import OracleDrafter
   from dspec.decoding.drafters.suffix import SuffixDrafter
-  from dspec.decoding.engine import SpeculativeEngine
+  from dspec.decoding.runner import speculative_engine
 
   g, steps = _GAMMA.value, _STEPS.value
   if not 1 <= steps < _NEW_TOKENS.value:
@@ -118,8 +118,7 @@ def no_proposal_study(cfg, target, graphdef, params, stop_ids) -> dict:
   drafters[f'empty γ={g} proposal'] = (SuffixDrafter(num_draft=g), None)
   # For reference, a step that does verify γ drafts (all rejected: one token per step).
   drafters[f'oracle γ={g}, verified'] = (OracleDrafter(num_draft=g, acceptance=(0.0,)), None)
-  engines = {m: (SpeculativeEngine(graphdef, drafter=d, stop_ids=stop_ids) if d else
-                 SpeculativeEngine(graphdef, stop_ids=stop_ids), p)
+  engines = {m: (speculative_engine(graphdef, d, stop_ids=stop_ids, verify_length='fixed'), p)
              for m, (d, p) in drafters.items()}
   out = {'gamma': g, 'steps_per_run': steps, 'repeats': _REPEATS.value, 'batch': {}}
   for b in (int(x) for x in _BATCHES.value):
@@ -170,8 +169,8 @@ def main(argv):
   from dspec.decoding.drafters.ngram import NgramDrafter
   from dspec.decoding.drafters.oracle import OracleDrafter
   from dspec.decoding.drafters.suffix import SuffixDrafter
-  from dspec.decoding.engine import SpeculativeEngine
   from dspec.decoding import runner
+  from dspec.decoding.runner import speculative_engine
   from dspec.metrics import acceptance_metrics
 
   cfg = common.decode_config(_PRESET.value if not _CHECKPOINT.value else 'tiny')
@@ -205,7 +204,7 @@ def main(argv):
       files.write_json_atomic(_OUT.value, files.mark(result, 'bench_engine'))
     return
 
-  ar_engine = SpeculativeEngine(graphdef, stop_ids=stop_ids)
+  ar_engine = speculative_engine(graphdef, stop_ids=stop_ids)
   ar_state, t_ar_total = run(ar_engine)
   new = int(ar_state.num_tokens_B[0] - ar_state.prompt_len_B[0])
   t_prefill = median_time(lambda: ar_engine.prefill(params, None, prompt, lens,
@@ -230,7 +229,7 @@ def main(argv):
   overhead = []
   for profile in ([1.0], [0.9], [0.8, 0.5], [0.5]):
     drafter = OracleDrafter(num_draft=g, acceptance=tuple(profile))
-    engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
+    engine = speculative_engine(graphdef, drafter, stop_ids=stop_ids, verify_length='fixed')
     ref = ar_state.tokens_BL
     state, t_spec_total = run(engine)
     assert np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
@@ -252,7 +251,7 @@ def main(argv):
               'suffix': (SuffixDrafter(num_draft=16, use_global_cache=False), 'host')}
   result['training_free'] = {}
   for name, (drafter, mode) in drafters.items():
-    engine = SpeculativeEngine(graphdef, drafter=drafter, stop_ids=stop_ids)
+    engine = speculative_engine(graphdef, drafter, stop_ids=stop_ids, verify_length='fixed')
     state, t_total = run(engine, None, drafter.host_drafter_factory() if mode else None)
     lossless = np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
                               np.asarray(ar_state.tokens_BL)[0, :lens[0] + new])

@@ -183,7 +183,6 @@ def interleaved(target, prompt, methods: list, repeats: int) -> dict:
   those of the first AR method under the same constraint."""
   from dspec.decoding import drafter as drafter_lib
   from dspec.decoding import runner
-  from dspec.decoding.engine import SpeculativeEngine
   from dspec.decoding.prompts import bucket_shapes, encode_prompts, generated_ids, pad_prompts
   from dspec.metrics import acceptance_metrics
   import numpy as np
@@ -203,8 +202,8 @@ def interleaved(target, prompt, methods: list, repeats: int) -> dict:
     constraints = constraint and Constraint.of(**constraint)
     constrained = runner.constrained_run(target, constraints, 1, 'fixed', None, drafter,
                                          forced)
-    engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=settings.sampling(),
-                               stop_ids=stop_ids)
+    engine = runner.speculative_engine(graphdef, drafter, settings.sampling(), stop_ids,
+                                       verify_length='fixed')
     generations.append(runner.Generation(engine, target_params, d and d.params,
                                          constrained=constrained))
   results = runner.timed_generations(generations, prompt_BP, prompt_len_B, settings,

@@ -155,3 +155,49 @@ def test_no_module_imports_a_higher_layer():
       if high > low:
         upward.append(f'{module} ({low_name}) imports {dep} ({high_name})')
   assert not upward, 'imports from a lower layer to a higher one:\n' + '\n'.join(upward)
+
+
+ENGINES = ('SpeculativeEngine', 'TreeEngine', 'VerifyLengthController', 'ShardedEngine')
+# Where an engine may be constructed: the builder, and the controller it builds, which
+# makes its own tier engines.
+ENGINE_BUILDERS = {('dspec/decoding/runner.py', 'speculative_engine'),
+                   ('dspec/decoding/controller.py', '__init__'),
+                   ('dspec/decoding/controller.py', 'make')}
+
+
+class _EngineCalls(ast.NodeVisitor):
+  """(line, innermost enclosing function, engine class) of every engine construction."""
+
+  def __init__(self):
+    self.stack, self.calls = ['<module>'], []
+
+  def visit_FunctionDef(self, node):
+    self.stack.append(node.name)
+    self.generic_visit(node)
+    self.stack.pop()
+
+  visit_AsyncFunctionDef = visit_FunctionDef
+
+  def visit_Call(self, node):
+    name = getattr(node.func, 'id', None) or getattr(node.func, 'attr', None)
+    if name in ENGINES:
+      self.calls.append((node.lineno, self.stack[-1], name))
+    self.generic_visit(node)
+
+
+def test_engines_are_built_only_by_speculative_engine():
+  """The library, the benchmarks and the scripts build every engine through
+  `runner.speculative_engine` (one builder: placement, fallback and controller stay in
+  one place)."""
+  found = []
+  for top in ('dspec', 'scripts'):
+    for folder, _, files in os.walk(os.path.join(REPO_ROOT, top)):
+      for file in (f for f in files if f.endswith('.py')):
+        path = os.path.join(folder, file)
+        rel = os.path.relpath(path, REPO_ROOT)
+        with open(path) as f:
+          calls = _EngineCalls()
+          calls.visit(ast.parse(f.read()))
+        found += [f'{rel}:{line} ({func}) builds {name}' for line, func, name in calls.calls
+                  if (rel, func) not in ENGINE_BUILDERS]
+  assert not found, 'engines built outside runner.speculative_engine:\n' + '\n'.join(found)

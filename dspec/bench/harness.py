@@ -431,8 +431,8 @@ class Benchmark:
     if repeats < 1 or drafter_lib.host_drafter_factory(drafter):
       return None
     if (key, b) not in self.draft_costs:
-      engine = SpeculativeEngine(self.graphdef, drafter=drafter,
-                                 sampling=settings.sampling(), stop_ids=self.stop_ids)
+      engine = runner.speculative_engine(self.graphdef, drafter, settings.sampling(),
+                                         self.stop_ids, verify_length='fixed')
       state = engine.prefill(self.params, params, batch.prompt_BP, batch.lens,
                              temperature=settings.temperature, top_p=settings.top_p,
                              max_new_tokens=settings.max_new_tokens, seed=settings.seed)

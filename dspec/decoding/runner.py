@@ -247,22 +247,27 @@ def check_verify_length(verify_length) -> None:
     raise UserError(f'verify_length must be one of {VERIFY_LENGTHS}, got {verify_length!r}')
 
 
-def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
-                       verify_length: str = 'auto', trace: bool = False,
-                       controller: ControllerConfig = ControllerConfig(),
+def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec(),
+                       stop_ids: Sequence[int] = (), *, verify_length: str = 'auto',
+                       trace: bool = False, controller: ControllerConfig = ControllerConfig(),
                        placement: Optional[sharding.Placement] = None,
-                       tree: TreeConfig = TreeConfig(), profiled: Optional[dict] = None):
-  """The engine for `drafter`: with verify_length 'auto' the load-aware controller, which
-  picks each chunk's verify length from `controller.tiers` (up to the drafter's num_draft;
-  tier 0 is plain AR; with a mesh `placement` every tier's engine is sharded); with 'fixed'
-  (and for AR or host-side drafters, whose 'auto' is the
-  host loop's AR fallback, `host_fallback`) every step verifies the whole proposal; with
+                       tree: TreeConfig = TreeConfig(), profiled: Optional[dict] = None,
+                       cost_table: Optional[costs_lib.CostTable] = None):
+  """The engine for `drafter` (None: plain AR); the one place engines are built (library,
+  benchmarks and scripts; a test over the source checks it). With verify_length 'auto'
+  the load-aware controller, which picks each chunk's verify length from
+  `controller.tiers` (up to the drafter's num_draft; tier 0 is plain AR; with a mesh
+  `placement` every tier's engine is sharded); with 'fixed' (and for AR or host-side
+  drafters, whose 'auto' is the host loop's AR fallback, `host_fallback`) every step
+  verifies the whole proposal; with
   'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
   (`drafter.tree_proposer`) in one target pass; with 'auto_tree' the controller picks each
   chunk's node budget: trees of g + 1 nodes for the tiers g < tree.num_nodes - 1 and
-  tree.num_nodes itself, or AR (tier 0). profiled: the controller's profiled tables
-  (`VerifyLengthController`)."""
+  tree.num_nodes itself, or AR (tier 0). profiled, cost_table: the controller's profiled
+  tables and prior costs (`VerifyLengthController`)."""
   check_verify_length(verify_length)
+  drafter = drafter_lib.NoDrafter() if drafter is None else drafter
+  stop_ids = tuple(stop_ids)
   gamma = drafter.num_draft
   if verify_length in ('tree', 'auto_tree'):
     if placement is not None or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
@@ -276,7 +281,7 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
       return VerifyLengthController(
           graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree, trace=trace,
           config=dataclasses.replace(controller, tiers=tuple(sorted(
-              budgets | {tree.num_nodes - 1}))), profiled=profiled)
+              budgets | {tree.num_nodes - 1}))), profiled=profiled, cost_table=cost_table)
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
     return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
                       max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
@@ -287,7 +292,8 @@ def speculative_engine(graphdef, drafter, spec: SamplingSpec, stop_ids, *,
   tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
   return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
                                 config=dataclasses.replace(controller, tiers=tiers),
-                                trace=trace, placement=placement, profiled=profiled)
+                                trace=trace, placement=placement, profiled=profiled,
+                                cost_table=cost_table)
 
 
 def _transfer_guard(debug: bool):
@@ -327,12 +333,17 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
     raise ValueError(f'{len(rows)} prompts do not fit batch_size={batch_size}')
   width, buffer_len = bucket_shapes(max(map(len, rows)), settings.max_new_tokens,
                                     target.max_seq_len)
-  prompt_BP, prompt_len_B = pad_prompts(rows, batch_size or len(rows), min_width=width)
+  batch = batch_size or len(rows)
+  if placement is not None and batch % placement.batch_size_multiple:
+    multiple = placement.batch_size_multiple   # each batch shard holds its own rows
+    progress(f'batch size {batch} rounded up to {-(-batch // multiple) * multiple}, a '
+             f'multiple of the mesh batch axes ({multiple}); the prompts repeat')
+    batch = -(-batch // multiple) * multiple
+  prompt_BP, prompt_len_B = pad_prompts(rows, batch, min_width=width)
   graphdef, target_params = target.split()
   stop_ids = tuple(target.tokenizer.stop_ids)
   constrained = constrained_run(target, constraints, len(rows), verify_length, placement,
                                 drafter, forced_drafts)
-  wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
   if placement:
     drafter_params = placement.put_params(drafter_params)
   if constrained:   # proposals verified whole: the host masks every step
@@ -357,7 +368,8 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
                             controller, constrained)]
   if compare_ar:   # the rounds rotate which generation runs first
     generations.insert(0, Generation(
-        wrap(SpeculativeEngine(graphdef, sampling=spec, stop_ids=stop_ids)), target_params,
+        speculative_engine(graphdef, None, spec, stop_ids, placement=placement),
+        target_params,
         constrained=constrained and dataclasses.replace(constrained, last=None)))
   progress(('decoding' if not settings.timing_repeats else
             f'decoding (warm-up + {settings.timing_repeats} timed runs)') +

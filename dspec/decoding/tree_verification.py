@@ -68,7 +68,6 @@ def _path_to(tree: DraftTree, node_B, max_depth: int):
 
 def greedy_tree_verify(tree: DraftTree, logits_BNV, max_depth: int):
   """Deepest node whose whole path matches the target argmax (see the module doc)."""
-  n = tree.num_nodes
   argmax_BN = first_argmax(logits_BNV)
   parents = jnp.where(tree.valid_BN(), tree.parents_BN, -1)
   match_BN = (parents >= 0) & (

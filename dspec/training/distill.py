@@ -36,11 +36,10 @@ from flax import nnx
 from tqdm import tqdm
 
 from dspec import checkpoint, config_checks, datasets, distributed
-from dspec.decoding.engine import SpeculativeEngine
 from dspec.files import (check_outputs, config_inputs, directory_lock, write_atomic,
                          write_json_atomic)
 from dspec.decoding.prompts import generated_ids, pad_prompts
-from dspec.decoding.runner import Settings
+from dspec.decoding.runner import Settings, speculative_engine
 from dspec.loading import build_target
 from dspec.tokenizer import fingerprint as tokenizer_fingerprint
 
@@ -188,7 +187,7 @@ def _distill_shards(cfg, out_dir, manifest, target, tokenizer, prompts, spec) ->
   main, share = distributed.is_main(), distributed.process_share()
 
   graphdef, params = nnx.split(target)
-  engine = SpeculativeEngine(graphdef, sampling=spec, stop_ids=tuple(tokenizer.stop_ids))
+  engine = speculative_engine(graphdef, None, spec, tokenizer.stop_ids)
   num_shards = -(-len(prompts) // dcfg.shard_size)
   bar = tqdm(total=len(prompts), desc='distill', unit='prompt')
   for s in range(num_shards):
