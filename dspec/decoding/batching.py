@@ -46,11 +46,14 @@ def _insert_row(state, row_state, row):
 _jit_insert = jax.jit(_insert_row, donate_argnums=0)
 
 
-def serve(engine: SpeculativeEngine, target_params, drafter_params,
+def serve(engine, target_params, drafter_params,
           requests: Sequence[Sequence[int]], batch_size: int, *, max_new_tokens: int,
           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
           steps_per_sync: int = 64) -> dict:
   """Decodes every request (token-id prompts) with `batch_size` rows, refilling rows.
+  `engine`: a fixed-verification engine (steps run until a row finishes or
+  `steps_per_sync`), or the controller of `verify_length='auto'` (rows refilled between
+  its chunks, each chunk's verify length its policy's).
 
   Returns {'outputs': generated ids per request (request order), 'accepted',
   'proposed', 'steps' (per request), 'decode_s', 'row_steps', 'live_row_steps'}:
@@ -72,16 +75,17 @@ def serve(engine: SpeculativeEngine, target_params, drafter_params,
   n = len(requests)
   result = {'outputs': [None] * n, 'accepted': [0] * n, 'proposed': [0] * n,
             'steps': [0] * n}
-  row_steps = live_row_steps = 0
-  t0 = time.perf_counter()
-  while True:
-    step_before = int(state.step)
-    state = engine.run(target_params, drafter_params, state, steps_per_sync,
-                       until_row_done=True)
+  counts = {'row_steps': 0, 'live_row_steps': 0, 'step': int(state.step)}
+
+  def refill(state):
+    """Reads the finished rows back and puts waiting requests into them; returns (state,
+    whether a row was refilled)."""
     done, tokens, nums, lens, steps, acc, prop, step = jax.device_get((
         state.done_B, state.tokens_BL, state.num_tokens_B, state.prompt_len_B,
         state.stats.steps_B, state.stats.accepted_B, state.stats.proposed_B, state.step))
-    row_steps += batch_size * (int(step) - step_before)
+    counts['row_steps'] += batch_size * (int(step) - counts['step'])
+    counts['step'] = int(step)
+    refilled = False
     for r in range(batch_size):
       if slot[r] is None or not done[r]:
         continue
@@ -89,17 +93,25 @@ def serve(engine: SpeculativeEngine, target_params, drafter_params,
       result['outputs'][i] = tokens[r, lens[r]:nums[r]].tolist()
       result['steps'][i], result['accepted'][i] = int(steps[r]), int(acc[r])
       result['proposed'][i] = int(prop[r])
-      live_row_steps += int(steps[r])
+      counts['live_row_steps'] += int(steps[r])
       if queue:
         j = queue.pop(0)
         row_state = engine.prefill(target_params, drafter_params, *padded([requests[j]]),
                                    **kw)
         state = _jit_insert(state, row_state, r)
-        slot[r] = j
-    if all(s is None for s in slot):
-      break
-  result.update(decode_s=time.perf_counter() - t0, row_steps=row_steps,
-                live_row_steps=live_row_steps)
+        slot[r], refilled = j, True
+    return state, refilled
+
+  t0 = time.perf_counter()
+  if engine.adaptive:   # the controller: refills between its chunks
+    engine.generate(target_params, drafter_params, state, between_chunks=refill)
+  else:
+    while any(s is not None for s in slot):
+      state = engine.run(target_params, drafter_params, state, steps_per_sync,
+                         until_row_done=True)
+      state, _ = refill(state)
+  result.update(decode_s=time.perf_counter() - t0, row_steps=counts['row_steps'],
+                live_row_steps=counts['live_row_steps'])
   return result
 
 

@@ -39,6 +39,7 @@ tier 0), and each budget's realised ratio corrects its prediction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -263,10 +264,12 @@ class VerifyLengthController:
 
   # --------------------------------------------------------------------- decoding
 
-  def generate(self, target_params, drafter_params, state):
+  def generate(self, target_params, drafter_params, state, between_chunks=None):
     """Runs chunks of steps until every row is done, each as `policy.decide` says: the
     tier, the chunk's length, and whether a shadow proposal of the largest tier is judged
-    against what the chunk commits (before it, or in retrospect after it)."""
+    against what the chunk commits (before it, or in retrospect after it).
+    between_chunks: `state -> (state, rows changed)` after every chunk (continuous
+    batching refills finished rows there, `batching.serve`)."""
     b = state.tokens_BL.shape[0]
     if not self.costs.has(b, self.tiers):
       self._profile_or_load(target_params, drafter_params, state)
@@ -323,6 +326,15 @@ class VerifyLengthController:
       policy = decision.state.observed(decision, float(np.sum(num - num_before)), steps,
                                        ~done, remaining(), samples)
       hist, proposing = new_hist, reached[:, 0]
+      if between_chunks is not None:
+        state, changed = between_chunks(state)
+        if changed:   # new rows: their counts start afresh
+          hist, reached, done, num, prompt_len, max_new, steps_B = distributed.host_values((
+              state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
+              state.num_tokens_B, state.prompt_len_B, state.max_new_tokens,
+              state.stats.steps_B))
+          proposing, row0_steps = reached[:, 0], steps_B[0]
+          policy = dataclasses.replace(policy, live_B=~done, remaining_B=remaining())
     self.last_trace = trace
     self._probe_every[b] = policy.probe_every
     self._carried[b] = estimate.pooled()
