@@ -475,6 +475,16 @@ def test_zero_every_is_one_error_line():
   _one_error_line(rc, stderr, 'training.ckpt_every must be in [1,')
 
 
+def test_data_of_another_vocabulary_is_one_error_line(tmp_path):
+  """A drafter trained on data distilled with another tokenizer: the 256-token tiny
+  target on the demo's 8,192-token data would embed ids past its table (NaN losses, and an
+  error blaming the learning rate); it is refused when the data loads, naming both."""
+  rc, _, stderr = _run_script('train.py', '--config=configs/dflash_demo.py:tiny',
+                              f'--workdir={tmp_path / "run"}')
+  _one_error_line(rc, stderr, "outside the target's vocabulary of 256")
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
+
+
 @pytest.mark.parametrize('content, message', [
     ('[]', 'must hold a JSON object'),
     (None, "vocab_size must be a positive integer, got 'abc'"),

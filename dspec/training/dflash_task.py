@@ -293,8 +293,9 @@ def build_task(cfg, workdir: str) -> TrainTask:
   from dspec.training.distill import load_distilled, split_distilled
   tcfg, d = cfg.training, cfg.dflash
   target, tokenizer, _ = build_target(cfg.model)
-  rows = split_distilled(load_distilled(cfg.data.path), tcfg.seq_len,
-                         cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  data = load_distilled(cfg.data.path, target.cfg.vocab_size)
+  rows = split_distilled(data, tcfg.seq_len, cfg.data.heldout_fraction, tcfg.eval_windows,
+                         cfg.data.path)
   tokens, loss_mask = rows.tokens[rows.train_rows], rows.loss_mask[rows.train_rows]
   held_tokens, held_mask = rows.held_tokens, rows.held_mask
   draft_vocab = ()

@@ -72,8 +72,10 @@ def _load_shard(path: str, name: str) -> dict:
     raise ValueError(f'{file}: damaged shard ({e})') from None
 
 
-def load_distilled(path: str) -> dict:
-  """All listed shards concatenated: dict(tokens, loss_mask, lengths)."""
+def load_distilled(path: str, vocab_size: int = 0) -> dict:
+  """All listed shards concatenated: dict(tokens, loss_mask, lengths). vocab_size > 0:
+  ValueError when a token id is outside the target's vocabulary (data distilled with
+  another tokenizer: its embedding lookups would be NaN, and so would every loss)."""
   manifest_path = os.path.join(path, _MANIFEST)
   if not os.path.exists(manifest_path):
     raise FileNotFoundError(f'no distilled dataset at {path} (missing {_MANIFEST}); '
@@ -87,9 +89,15 @@ def load_distilled(path: str) -> dict:
   def pad(a):
     return np.pad(a, ((0, 0), (0, width - a.shape[1])))
 
-  return {'tokens': np.concatenate([pad(p['tokens']) for p in parts]),
-          'loss_mask': np.concatenate([pad(p['loss_mask']) for p in parts]),
-          'lengths': np.concatenate([p['lengths'] for p in parts])}
+  out = {'tokens': np.concatenate([pad(p['tokens']) for p in parts]),
+         'loss_mask': np.concatenate([pad(p['loss_mask']) for p in parts]),
+         'lengths': np.concatenate([p['lengths'] for p in parts])}
+  top = int(out['tokens'].max(initial=0))
+  if vocab_size and (top >= vocab_size or int(out['tokens'].min(initial=0)) < 0):
+    raise ValueError(f'distilled dataset {path} holds token id {top}, outside the target\'s '
+                     f'vocabulary of {vocab_size}: it was distilled with another tokenizer '
+                     f'(distill it again for this target)')
+  return out
 
 
 def _encode_prompts(cfg, tokenizer) -> list:

@@ -257,8 +257,9 @@ def build_task(cfg, workdir: str) -> TrainTask:
   from dspec.training.distill import load_distilled, split_distilled
   tcfg, d = cfg.training, cfg.dspark
   target, tokenizer, _ = build_target(cfg.model)
-  rows = split_distilled(load_distilled(cfg.data.path), tcfg.seq_len,
-                         cfg.data.heldout_fraction, tcfg.eval_windows, cfg.data.path)
+  data = load_distilled(cfg.data.path, target.cfg.vocab_size)
+  rows = split_distilled(data, tcfg.seq_len, cfg.data.heldout_fraction, tcfg.eval_windows,
+                         cfg.data.path)
   held_tokens, held_mask = rows.held_tokens, rows.held_mask
   drafter = build_drafter(cfg, target.cfg, tokenizer.mask_id)
 

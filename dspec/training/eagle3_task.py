@@ -105,7 +105,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
   from dspec.training.distill import load_distilled
   tcfg = cfg.training
   target, _, _ = build_target(cfg.model)
-  data = load_distilled(cfg.data.path)
+  data = load_distilled(cfg.data.path, target.cfg.vocab_size)
   return make_task(cfg, target, fit_rows(data['tokens'].astype(np.int32), tcfg.seq_len),
                    fit_rows(data['loss_mask'].astype(bool), tcfg.seq_len))
 

@@ -265,7 +265,8 @@ def build_posthoc_task(cfg, workdir: str) -> TrainTask:
   from dspec.loading import build_target
   from dspec.training.distill import load_distilled
   target, _, _ = build_target(cfg.model)
-  task = posthoc_task(target, mtp_config(cfg), load_distilled(cfg.data.path), cfg.training,
+  data = load_distilled(cfg.data.path, target.cfg.vocab_size)
+  task = posthoc_task(target, mtp_config(cfg), data, cfg.training,
                       cfg.data.heldout_fraction, cfg.data.path,
                       cfg.mtp.get('draft_vocab_size', 0), cfg.model)
   if cfg.training.get('corpus_eval'):
