@@ -270,9 +270,12 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
   stop_ids = tuple(stop_ids)
   gamma = drafter.num_draft
   if verify_length in ('tree', 'auto_tree'):
-    if placement is not None or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
-      raise ValueError(f'verify_length={verify_length} runs a device drafter on one device '
-                       'without --config.mesh (use fixed or auto for those)')
+    if gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
+      raise ValueError(f'verify_length={verify_length} runs a device drafter (use fixed or '
+                       'auto for host-side drafters)')
+    if placement is not None and (verify_length == 'auto_tree' or trace):
+      raise ValueError(f'verify_length={verify_length} on a mesh: tree (fixed) runs there, '
+                       'without a trace')
     check_tree_fields(verify_length, registry.name_of(drafter),
                       {name: getattr(drafter, name) for name in TREE_IGNORED_FIELDS
                        if hasattr(drafter, name)})
@@ -283,8 +286,9 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
           config=dataclasses.replace(controller, tiers=tuple(sorted(
               budgets | {tree.num_nodes - 1}))), profiled=profiled, cost_table=cost_table)
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
-    return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
-                      max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
+    engine = TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
+                        max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
+    return ShardedEngine(engine, placement) if placement else engine
   if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
     engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
                                trace=trace)

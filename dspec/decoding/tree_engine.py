@@ -238,11 +238,30 @@ class TreeEngine:
                      put(t.num_nodes_S, tree.num_nodes_B[0]), put_row(t.path_SD1, path_BD1[0]),
                      put(t.num_accepted_S, accepted_B[0]))
 
-  def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps):
+  def run_fn(self, target_params, drafter_params, state: DecodeState, max_steps,
+             force_wide=False, *, until_row_done: bool = False) -> DecodeState:
+    """As `SpeculativeEngine.run_fn` (`force_wide` changes nothing: every step verifies
+    all of its tree's nodes)."""
+    del force_wide
     stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)
+    done_at_start_B = state.done_B
+
+    def go_on(st):
+      more = (st.step < stop) & ~jnp.all(st.done_B)
+      if until_row_done:
+        more &= ~jnp.any(st.done_B & ~done_at_start_B)
+      return more
+
     return jax.lax.while_loop(
-        lambda st: (st.step < stop) & ~jnp.all(st.done_B),
-        lambda st: self.step_fn(target_params, drafter_params, st), state)
+        go_on, lambda st: self.step_fn(target_params, drafter_params, st), state)
+
+  @property
+  def prefill_fn(self):
+    """The chain engine's prefill (a tree step starts from the same state)."""
+    return self.engine.prefill_fn
+
+  def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
+    return self.engine.buffer_len(prompt_len, max_new_tokens)
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
     state = self.engine.prefill(target_params, drafter_params, prompt_BP, prompt_len_B, **kw)
@@ -254,13 +273,14 @@ class TreeEngine:
                                                        self.max_depth))
 
   def run(self, target_params, drafter_params, state, max_steps=None,
-          force_wide: bool = False) -> DecodeState:
-    """Up to `max_steps` steps (None: to the end). `force_wide` (the controller's
-    profile) changes nothing: every step verifies all of its tree's nodes."""
+          force_wide: bool = False, *, until_row_done: bool = False) -> DecodeState:
+    """Up to `max_steps` steps (None: to the end; `until_row_done`: also until a live row
+    finishes). `force_wide` (the controller's profile) changes nothing."""
     del force_wide
     limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
-    return _programs(self, state.tokens_BL.shape)['run'](target_params, drafter_params,
-                                                         state, limit)
+    name = 'run_until_row_done' if until_row_done else 'run'
+    return _programs(self, state.tokens_BL.shape)[name](target_params, drafter_params,
+                                                        state, limit)
 
   def generate(self, target_params, drafter_params, state) -> DecodeState:
     return self.run(target_params, drafter_params, state)
@@ -286,6 +306,9 @@ class TreeEngine:
 def _programs(engine: TreeEngine) -> dict:
   """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
   return {'run': jax.jit(engine.run_fn, donate_argnums=2),
+          'run_until_row_done': jax.jit(functools.partial(engine.run_fn,
+                                                          until_row_done=True),
+                                        donate_argnums=2),
           'propose': jax.jit(engine.propose_fn, donate_argnums=2),
           'step_synced': jax.jit(functools.partial(engine.step_fn, synced=True),
                                  donate_argnums=2),

@@ -32,8 +32,8 @@ from dspec import compiled_programs, sharding  # noqa: E402
 from dspec.decoding.drafters.ngram import NgramDrafter  # noqa: E402
 from dspec.decoding.drafters.oracle import OracleDrafter  # noqa: E402
 from dspec.decoding.drafters.self_draft import SelfDrafter  # noqa: E402
-from dspec.decoding.engine import SpeculativeEngine  # noqa: E402
-from dspec.decoding.sharded import ShardedEngine  # noqa: E402
+from dspec.decoding.runner import speculative_engine  # noqa: E402
+from dspec.decoding.tree_engine import TreeConfig  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 from dspec.training import target_lm, trainer  # noqa: E402
@@ -42,6 +42,7 @@ from dspec.training import target_lm, trainer  # noqa: E402
 MODEL = TransformerConfig(vocab_size=64, num_layers=1, embed_dim=32, num_heads=8,
                           num_kv_heads=4, head_dim=8, mlp_dim=64, qk_norm=True)
 MESHES = ('', 'data=8', 'data=2,tensor=4', 'tensor=8')
+TREE_MESHES = ('', 'data=2,tensor=4')   # token trees: one device and a 2-D mesh
 GOLDEN_MESH = 'fsdp=2,tensor=4'
 TRAIN_MESHES = ('', 'fsdp=2,tensor=4', 'data=2,fsdp=2,tensor=2')
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20, 31, 7, 44, 2],
@@ -98,10 +99,9 @@ def decode_checks(result, meshes):
     graphdef, params = nnx.split(create(target_ctor, placement))
     equal[mesh or '1'] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
         jax.tree.leaves(one_device), jax.tree.leaves(params)))
-    wrap = (lambda e: ShardedEngine(e, placement)) if placement else (lambda e: e)
-
-    def run(drafter, dparams):
-      engine = wrap(SpeculativeEngine(graphdef, drafter=drafter))
+    def run(drafter, dparams, verify_length='fixed'):
+      engine = speculative_engine(graphdef, drafter, verify_length=verify_length,
+                                  placement=placement, tree=TreeConfig(num_nodes=8, top_k=2))
       state = engine.prefill(params, dparams, prompt_BP, lens_B, max_new_tokens=NEW_TOKENS)
       state = engine.generate(params, dparams, state)
       tokens, nums = jax.device_get((state.tokens_BL, state.num_tokens_B))
@@ -109,7 +109,7 @@ def decode_checks(result, meshes):
       return outs, state
 
     t0 = time.perf_counter()
-    ar, ar_state = run(SpeculativeEngine(graphdef).drafter, None)
+    ar, ar_state = run(None, None)
     runs = {'ar': ar}
     reference = ar_state.tokens_BL if placement is None else placement.put_params(
         ar_state.tokens_BL)
@@ -126,6 +126,10 @@ def decode_checks(result, meshes):
       ctor, factory = entry
       drafter, dparams = factory(create(ctor, placement))
       runs[name] = run(drafter, dparams)[0]
+      if name == 'mtp' and mesh in TREE_MESHES:   # EAGLE-2 trees of the MTP heads
+        runs['mtp_tree'] = run(drafter, dparams, 'tree')[0]
+    if mesh in TREE_MESHES:   # n-gram tries
+      runs['ngram_tree'] = run(NgramDrafter(num_draft=3, max_n=3), None, 'tree')[0]
     for name, outs in runs.items():
       outputs.setdefault(name, {})[mesh or '1'] = outs
     timings[mesh or '1'] = round(time.perf_counter() - t0, 2)
@@ -212,9 +216,9 @@ def spec_checks(result, golden_path=None):
       'heads': lambda: sharding.Placement.create('tensor=8', model_cfg=small),
       'mesh_size': lambda: sharding.make_mesh('data=3'),
       'axis_name': lambda: sharding.make_mesh('model=8'),
-      'batch': lambda: ShardedEngine(
-          SpeculativeEngine(nnx.split(nnx.eval_shape(target_ctor))[0]),
-          sharding.Placement.create('data=8')).prefill(
+      'batch': lambda: speculative_engine(
+          nnx.split(nnx.eval_shape(target_ctor))[0],
+          placement=sharding.Placement.create('data=8')).prefill(
               None, None, np.ones((3, 2), np.int32), np.full((3,), 2, np.int32),
               max_new_tokens=2)}.items():
     try:

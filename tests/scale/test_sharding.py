@@ -61,6 +61,15 @@ def test_tokens_identical_on_every_mesh(mesh_results, name):
   assert runs['1'] == mesh_results['decode']['ar']['1'], f'{name} is not lossless'
 
 
+@pytest.mark.parametrize('name', ['ngram_tree', 'mtp_tree'])
+def test_token_trees_on_a_mesh_give_ar_tokens(mesh_results, name):
+  """verify_length=tree (n-gram tries, the MTP heads' EAGLE-2 trees) on data=2,tensor=4:
+  the tokens of one device, and AR's."""
+  runs = mesh_results['decode'][name]
+  assert set(runs) == {'1', 'data=2,tensor=4'}
+  assert runs['data=2,tensor=4'] == runs['1'] == mesh_results['decode']['ar']['1']
+
+
 def test_params_created_sharded_equal_one_device(mesh_results):
   assert all(mesh_results['created_sharded_equal'].values())
 
