@@ -18,6 +18,35 @@ from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
 
 
+# The quick check, `pytest -m 'not slow and not multiprocess'`, runs the tests outside both
+# markers in about 2 minutes on one core; `pytest -q` (CI) runs them all. Each test module
+# keeps at least one test outside both, a cheap one, even where that one is slow or starts a
+# process (tests/test_markers.py checks it).
+MARKERS = {
+    'slow': 'takes 3 s or more on one CPU core, its fixtures included (compiles, trains, '
+            'decodes with every drafter)',
+    'multiprocess': 'starts other Python processes that do real work: multi-process runs, mesh '
+                    'checks in subprocesses, scripts run as a user runs them',
+}
+# How many tests of each collected module are outside both markers (tests/test_markers.py).
+QUICK_TESTS_BY_MODULE = pytest.StashKey[dict]()
+
+
+def pytest_configure(config):
+  for name, meaning in MARKERS.items():
+    config.addinivalue_line('markers', f'{name}: {meaning}')
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Before `-m` deselects anything: how many tests of each module the quick check keeps."""
+  counts = config.stash[QUICK_TESTS_BY_MODULE] = {}
+  for item in items:
+    module = os.path.relpath(str(item.path), REPO_ROOT)
+    quick = not {m.name for m in item.iter_markers()} & set(MARKERS)
+    counts[module] = counts.get(module, 0) + quick
+
+
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
   """Drops compiled programs between tests once the process holds many memory mappings

@@ -28,6 +28,7 @@ def ar(target):
   return dspec.generate(target, PROMPTS, max_new_tokens=12)
 
 
+@pytest.mark.slow
 def test_generate_returns_texts_ids_and_metrics(target, ar):
   assert len(ar.texts) == len(ar.ids) == len(ar.per_prompt) == 2
   assert all(len(ids) == 12 for ids in ar.ids)
@@ -38,6 +39,7 @@ def test_generate_returns_texts_ids_and_metrics(target, ar):
   assert dspec.generate(target, ids, max_new_tokens=12).ids == ar.ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('verify_length', ['fixed', 'auto'])
 def test_a_drafter_gives_the_ar_output(target, ar, verify_length):
   drafter = dspec.load_drafter('ngram', target=target, num_draft=4)
@@ -56,6 +58,7 @@ def test_a_drafter_gives_the_ar_output(target, ar, verify_length):
     assert all('tier' in s for s in steps)
 
 
+@pytest.mark.slow
 def test_tree_verification_gives_the_ar_output(target, ar):
   drafter = dspec.load_drafter('ngram', target=target, num_draft=4)
   out = dspec.generate(target, PROMPTS, drafter=drafter, max_new_tokens=12,
@@ -76,6 +79,7 @@ def test_tree_verification_gives_the_ar_output(target, ar):
     dspec.generate(target, PROMPTS, drafter=drafter, verify_length='auto_tree', trace=True)
 
 
+@pytest.mark.slow
 def test_numpy_ids_and_tuples_are_taken_as_they_are(target, ar):
   """Validation refuses coercion, not numpy integers or tuples (issue 39)."""
   ids = tuple(np.asarray(target.tokenizer.encode(p), np.int32) for p in PROMPTS)

@@ -35,6 +35,7 @@ def saved(tmp_path, model):
   return path
 
 
+@pytest.mark.slow
 def test_target_round_trip_gives_identical_logits(saved, model):
   loaded, metadata = load_target(saved)
   assert metadata['kind'] == 'target'

@@ -18,6 +18,8 @@ def _run(*args):
   return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_metrics_json_has_every_design_key(tmp_path):
   out = tmp_path / 'm.json'
   rc, stdout, stderr = _run('--config=configs/tiny.py', '--prompt_ids=1,2,3,1,2,3,1,2',
@@ -37,6 +39,8 @@ def test_metrics_json_has_every_design_key(tmp_path):
   assert 'lossless=True' in stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_output_is_quiet_echoes_the_prompt_and_writes_a_trace(tmp_path):
   trace_path = tmp_path / 'trace.json'
   rc, stdout, stderr = _run('--config=configs/tiny.py', '--prompt=abcabcabc',
@@ -53,6 +57,8 @@ def test_output_is_quiet_echoes_the_prompt_and_writes_a_trace(tmp_path):
   assert rc == 0 and not stderr.strip(), stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('old,new', [('drafters.ngram.draft_len', 'drafters.ngram.num_draft'),
                                      ('drafters.dflash.block_size', 'drafters.dflash.num_draft')])
 def test_renamed_config_fields_name_the_new_one(old, new):
@@ -79,6 +85,8 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('case', list(BAD_INPUTS))
 def test_bad_input_gets_one_clear_line(case, tmp_path):
   args, expected = BAD_INPUTS[case]
@@ -91,6 +99,7 @@ def test_bad_input_gets_one_clear_line(case, tmp_path):
   assert not out.exists()
 
 
+# Not marked multiprocess: the module's test in the quick check (tests/conftest.py).
 def test_missing_config_file_is_one_line():
   rc, _, stderr = _run('--config=configs/no_such_config.py')
   assert rc != 0 and 'Traceback' not in stderr

@@ -2,10 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from dspec import compiled_programs
 
 
+@pytest.mark.slow
 def test_release_only_past_the_limit():
   f = jax.jit(lambda x: x + 1)
   f(jnp.ones(3))
@@ -39,6 +41,8 @@ def test_program_sets_go_least_recently_used_first(monkeypatch):
   assert first['f']._cache_size() == 0 and built == [2, 3, 2, 4]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_rerun_loads_every_program_from_the_persistent_cache(tmp_path):
   """The second run of a job compiles nothing new: every program comes from the cache."""
   import json
@@ -69,6 +73,8 @@ def test_a_rerun_loads_every_program_from_the_persistent_cache(tmp_path):
   assert second['output_ids'] == first['output_ids']
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
   import subprocess
   import sys

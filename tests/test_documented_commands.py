@@ -502,6 +502,8 @@ def test_lists_of_commands_not_run_name_documented_commands():
     assert any(re.search(pattern, c.text) for c in COMMANDS), pattern
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('command', COMMANDS, ids=[c.id for c in COMMANDS])
 def test_command_is_well_formed(command, parse_errors):
   """The script exists and takes every flag, the config file loads and has every field."""
@@ -510,6 +512,8 @@ def test_command_is_well_formed(command, parse_errors):
     assert not error, f'{command.id}: {command.text}\n{script}: {error}'
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('command', TO_RUN, ids=[c.id for c in TO_RUN])
 def test_quick_command_runs(command, tmp_path):
   status, _, err, left = run_as_written(command, str(tmp_path))

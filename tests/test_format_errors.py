@@ -92,6 +92,7 @@ def test_tokenizer_json_that_is_a_directory_is_named(tmp_path):
     load_tokenizer(str(tmp_path), 300)
 
 
+@pytest.mark.multiprocess
 def test_convert_hf_names_a_weights_directory(sources, tmp_path):
   shutil.copytree(sources / 'hf', tmp_path / 'hf')
   named = _corrupt(tmp_path / 'hf', 'weights_dir')

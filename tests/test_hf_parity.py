@@ -93,6 +93,7 @@ def test_logits_match_transformers(hf):
   np.testing.assert_allclose(_dspec_logits(model, TOKENS), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(hf):
   hf_dir, hf_model = hf
   model, _ = load_hf_model(hf_dir)
@@ -137,6 +138,7 @@ def _run_convert(*args):
                         capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_convert_script_end_to_end(qwen3, tmp_path):
   hf_dir, hf_model = qwen3
   tokenizer_json = {'version': '1.0', 'model': {'type': 'WordLevel', 'vocab': {'a': 0}}}
@@ -153,6 +155,7 @@ def test_convert_script_end_to_end(qwen3, tmp_path):
                              atol=1e-4, rtol=0)
 
 
+@pytest.mark.multiprocess
 def test_convert_script_bad_input_is_one_error_line(tmp_path):
   result = _run_convert(f'--hf_dir={tmp_path / "missing"}', f'--out={tmp_path / "out"}')
   assert result.returncode == 1

@@ -170,6 +170,8 @@ def test_force_replaces_a_checkpoint_directory_only_once_the_new_one_is_complete
   assert sorted(os.listdir(tmp_path)) == ['ckpt']  # no leftovers beside it
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_convert_hf_force_with_an_empty_out_deletes_nothing(tmp_path, tiny_target):
   from dspec.hf_export import export_to_hf
   hf_dir = tmp_path / 'hf'
@@ -256,6 +258,7 @@ def test_exporting_non_finite_weights_is_an_error(tmp_path):
   assert not (tmp_path / 'nan').exists()
 
 
+@pytest.mark.slow
 def test_corrupted_training_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
   workdir = str(tmp_path / 'run')
   trainer.train(_toy_task(), _toy_cfg(4), workdir)
@@ -280,6 +283,7 @@ def test_no_intact_checkpoint_is_an_error_and_renames_nothing(tmp_path):
   assert _steps(workdir) == [2]
 
 
+@pytest.mark.slow
 def test_old_training_checkpoints_and_exports_without_checksums_resume(tmp_path):
   """State written by the code before checksums (same layout, no `array_sha256`)."""
   workdir = str(tmp_path / 'run')
@@ -373,6 +377,7 @@ def test_prompts_are_never_silently_mishandled():
   config_checks.check_prompts(['a'], 4)   # fewer prompts fill the batch (documented)
 
 
+@pytest.mark.slow
 def test_distillation_refuses_a_resume_with_another_target(tmp_path):
   from configs import distill_demo
   from dspec.training import distill
@@ -389,6 +394,7 @@ def test_distillation_refuses_a_resume_with_another_target(tmp_path):
     assert json.load(f)['shards'] == manifest['shards']
 
 
+@pytest.mark.slow
 def test_sigterm_stops_training_at_a_step_checkpointed_and_exported(tmp_path, capsys):
   """A preempted or killed run (SIGTERM) ends its step, saves it and exports it, then a
   rerun resumes from that step."""
@@ -412,6 +418,7 @@ def test_sigterm_stops_training_at_a_step_checkpointed_and_exported(tmp_path, ca
   assert trainer.train(_toy_task(), _toy_cfg(8, ckpt_every=100), workdir)['steps'] == 5
 
 
+@pytest.mark.slow
 def test_resume_trims_the_train_log_to_the_restored_step(tmp_path):
   workdir = str(tmp_path / 'run')
   trainer.train(_toy_task(), _toy_cfg(4), workdir)
@@ -439,6 +446,7 @@ def test_resume_with_nothing_to_train_keeps_final(tmp_path, capsys):
   assert exports == [4]
 
 
+@pytest.mark.multiprocess
 def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
   workdir = str(tmp_path / 'run')
   holder = subprocess.Popen(
@@ -462,6 +470,8 @@ def test_a_second_trainer_on_a_workdir_is_refused(tmp_path):
 
 # =============================================================================== tracebacks
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_train_and_distill_without_config_are_one_error_line():
   for script in ('train.py', 'distill.py'):
     rc, _, stderr = _run_script(script, '--out_dir=/tmp/unused' if script == 'distill.py'
@@ -469,12 +479,15 @@ def test_train_and_distill_without_config_are_one_error_line():
     _one_error_line(rc, stderr, 'config')
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_zero_every_is_one_error_line():
   rc, _, stderr = _run_script('train.py', '--config=configs/demo_target_v2.py:quick',
                               '--config.training.ckpt_every=0', '--workdir=/tmp/unused_run')
   _one_error_line(rc, stderr, 'training.ckpt_every must be in [1,')
 
 
+@pytest.mark.multiprocess
 def test_data_of_another_vocabulary_is_one_error_line(tmp_path):
   """A drafter trained on data distilled with another tokenizer: the 256-token tiny
   target on the demo's 8,192-token data would embed ids past its table (NaN losses, and an
@@ -508,6 +521,7 @@ def test_bad_hf_config_json_is_a_clear_error(tmp_path, content, message):
     config_from_hf(read_hf_config(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_convert_hf_with_a_bad_config_is_one_error_line(tmp_path):
   (tmp_path / 'hf').mkdir()
   (tmp_path / 'hf' / 'config.json').write_text('[]')
@@ -530,6 +544,8 @@ def test_corrupt_tokenizer_files_are_named(tmp_path):
     load_tokenizer(str(tmp_path), 300)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('raised, expected', [
     ("RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.3GiB')",
      'out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.3GiB); '
@@ -584,6 +600,8 @@ def test_two_outputs_on_one_path_or_an_output_inside_an_input_are_refused(tmp_pa
   files.check_distinct({'--out': str(tmp_path / 'export')}, {'--path': str(ckpt)})
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_decode_refuses_bad_outputs_before_loading_anything(tmp_path):
   (tmp_path / 'theirs.json').write_text('years of work')
   for args, message in [
@@ -599,6 +617,7 @@ def test_decode_refuses_bad_outputs_before_loading_anything(tmp_path):
   assert not os.path.exists(os.path.join(REPO_ROOT, 'demo', 'target', 'm.json'))
 
 
+@pytest.mark.multiprocess
 def test_a_directory_dspec_did_not_write_is_never_emptied(tmp_path):
   from dspec.bench import report
   theirs = tmp_path / 'theirs'
@@ -628,6 +647,7 @@ def test_distill_into_an_unrelated_folder_needs_force(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['thesis.tex']
 
 
+@pytest.mark.multiprocess
 def test_train_into_an_unrelated_folder_needs_force(tmp_path):
   (tmp_path / 'notes.txt').write_text('mine')
   rc, _, stderr = _run_script('train.py', '--config=configs/demo_target_v2.py:quick',
@@ -727,6 +747,8 @@ def test_unknown_config_fields_name_the_path_and_near_matches():
       cfg, 'max_new_tokens.x')
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('script, args, message', [
     ('decode.py', ['--config.drafters.mtp.bogus=1'], 'unknown config field drafters.mtp.bogus'),
     ('decode.py', ['--config.max_new_tokns=3'], 'did you mean max_new_tokens?'),
@@ -755,6 +777,7 @@ def test_corrupt_partial_results_and_a_safetensors_directory_are_named(tmp_path)
 
 # ============================================================ issue 39: locks and manifests
 
+@pytest.mark.multiprocess
 def test_a_lock_is_removed_on_exit_and_a_killed_holders_lock_is_taken_over(tmp_path):
   run = str(tmp_path / 'run')
   with files.directory_lock(run, 'distillation'):
@@ -995,6 +1018,8 @@ def test_launch_local_refuses_unbounded_waits(flag, capsys, monkeypatch):
   assert errors[0].startswith(f'error: {name} must be a finite number'), errors
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('args, message', [
     (['--config=configs/tiny.py', '--config.controller.profile_repeats=0'],
      'controller.profile_repeats must be in [1,'),
@@ -1065,6 +1090,7 @@ def test_a_run_may_not_write_inside_any_input_of_its_config(tmp_path):
   files.check_outputs({'--out_dir': str(tmp_path / 'bench')}, inputs, dirs=never)
 
 
+@pytest.mark.multiprocess
 def test_eval_drafter_refuses_an_out_inside_the_drafter_it_reads():
   drafter = os.path.join(REPO_ROOT, 'demo', 'dflash2')
   rc, _, stderr = _run_script('eval_drafter.py', '--kind=dflash2', f'--path={drafter}',
@@ -1278,6 +1304,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
   return False
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('sig', [signal.SIGHUP, signal.SIGKILL])
 def test_launch_local_children_die_with_it(tmp_path, sig):
   launcher = _launch(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -1291,6 +1318,7 @@ def test_launch_local_children_die_with_it(tmp_path, sig):
     launcher.wait()
 
 
+@pytest.mark.multiprocess
 def test_launch_local_drains_a_closed_stdout(tmp_path):
   """A child writing far more than a pipe holds, to a launcher whose reader went away,
   still finishes: the launcher exits 0 at once, not at its timeout."""

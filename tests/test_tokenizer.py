@@ -116,6 +116,7 @@ def test_load_tokenizer_rejects_tokenizer_larger_than_model(tiny_bpe_dir):
     load_tokenizer(str(tiny_bpe_dir), vocab_size=299)
 
 
+@pytest.mark.multiprocess
 def test_train_tokenizer_script(tmp_path):
   result = subprocess.run(
       [sys.executable, str(REPO_ROOT / 'scripts' / 'train_tokenizer.py'),

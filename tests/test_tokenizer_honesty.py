@@ -37,6 +37,8 @@ def _hf_dir(path, cfg, eos=None, generation_eos=None):
   return str(path)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_convert_hf_without_tokenizer_warns_records_and_takes_ids_only(tmp_path):
   hf = _hf_dir(tmp_path / 'hf', WIDE, eos=7, generation_eos=[7, 9])
   out = str(tmp_path / 'ckpt')
@@ -58,6 +60,7 @@ def test_convert_hf_without_tokenizer_warns_records_and_takes_ids_only(tmp_path)
     assert out_ids.texts == [str(out_ids.ids[0])]
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_models_declared_eos(tmp_path):
   """A model declaring no eos never stops; with a generation_config eos (here a token the
   target emits) generation stops there."""
@@ -72,6 +75,7 @@ def test_generation_stops_at_the_models_declared_eos(tmp_path):
   assert stopped == free[:free.index(stop) + 1]
 
 
+@pytest.mark.slow
 def test_a_vocabulary_below_256_without_tokenizer_decodes_from_ids(tmp_path):
   small = dataclasses.replace(TINY, vocab_size=64)
   hf = _hf_dir(tmp_path / 'hf', small, eos=5)

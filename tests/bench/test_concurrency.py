@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 # Tiny shapes: 8 new tokens, two controller tiers, no timed repeats.
@@ -18,6 +20,8 @@ def _run(out_dir, *args):
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_drafters_share_one_ar_baseline(tmp_path):
   proc = _run(tmp_path, '--drafter=ngram,oracle', '--concurrency=1,2', '--gammas=3')
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -61,6 +65,8 @@ def _random_dflash(path):
   dflash.save_dflash(str(path), dflash.DFlashModel(cfg, target_cfg, rngs=nnx.Rngs(0)))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sampled_run_with_a_learned_drafter(tmp_path):
   _random_dflash(tmp_path / 'dflash')
   proc = _run(tmp_path / 'out', '--drafter=dflash', '--concurrency=1', '--gammas=3,7',
@@ -77,6 +83,7 @@ def test_sampled_run_with_a_learned_drafter(tmp_path):
   assert 'not checked at T > 0' in (tmp_path / 'out' / 'concurrency.md').read_text()
 
 
+# Not marked multiprocess: the module's test in the quick check (tests/conftest.py).
 def test_unknown_drafter_is_one_line(tmp_path):
   proc = _run(tmp_path, '--drafter=ngram,bogus')
   assert proc.returncode == 1

@@ -4,9 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_draft_cost_cli_on_a_tiny_target_and_the_family_plot(tmp_path):
   out = tmp_path / 'cost.json'
   proc = subprocess.run(
@@ -44,6 +48,7 @@ def test_draft_cost_cli_on_a_tiny_target_and_the_family_plot(tmp_path):
   assert line.endswith(f'| {in_ar_steps} | {in_ar_steps} |'), line
 
 
+# Not marked multiprocess: the module's test in the quick check (tests/conftest.py).
 def test_draft_cost_cli_bad_drafter_is_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, 'scripts/bench_draft_cost.py', '--config=configs/tiny.py',

@@ -40,6 +40,7 @@ def bench_dir(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_tiny_bench_end_to_end(bench_dir):
   with open(os.path.join(bench_dir, report.RESULTS)) as f:
     rows = json.load(f)
@@ -88,6 +89,7 @@ def test_speedup_rounds_pair_each_round_with_ars():
   assert report._speedup_cell({'speedup': 2.0, 'speedup_rounds': [2.0]}) == '2.00×'
 
 
+@pytest.mark.slow
 def test_results_section_renders(bench_dir):
   text = report.render_results_section(bench_dir, docs_dir=os.path.dirname(bench_dir))
   assert 'Command: `python scripts/benchmark.py (test)`' in text and 'Machine:' in text
@@ -113,6 +115,7 @@ def test_interrupted_write_leaves_no_results(tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == [report.RESULTS]
 
 
+@pytest.mark.slow
 def test_interrupted_run_removes_stale_results_of_dspec_only(tmp_path, monkeypatch):
   """An earlier run's results.json cannot pass for this one; a results.json in a directory
   dspec did not write is never deleted."""
@@ -133,6 +136,7 @@ def test_interrupted_run_removes_stale_results_of_dspec_only(tmp_path, monkeypat
   assert json.loads((theirs / report.RESULTS).read_text()) == [{'stale': True}]
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_sweep_points(tmp_path, monkeypatch):
   """An interrupted run keeps its finished sweep points; --resume runs only the rest, and
   refuses partial results of another config."""
@@ -261,6 +265,7 @@ def both_modes(tmp_path_factory):
   return bench, rows, meta, calls, out
 
 
+@pytest.mark.slow
 def test_ar_and_the_methods_take_turns(both_modes):
   """Per batch, a warm-up round and then each timed round run AR and every method once in
   turn, the second timed round starting one later: the machine's drift falls on all
@@ -277,6 +282,7 @@ def _by(rows, method, verify_length):
   return next(r for r in rows if r['method'] == method and r['verify_length'] == verify_length)
 
 
+@pytest.mark.slow
 def test_auto_rows_have_tier_steps_and_stay_lossless(both_modes):
   bench, rows, _, calls, _ = both_modes
   for method in ('ngram', 'suffix'):
@@ -297,6 +303,7 @@ def test_auto_rows_have_tier_steps_and_stay_lossless(both_modes):
   assert len(suffix) == 1 and suffix[0].fallback is not None   # the host loop's AR chunks
 
 
+@pytest.mark.slow
 def test_fixed_rows_verify_every_proposal(both_modes):
   bench, rows, _, _, _ = both_modes
   for method in ('ngram', 'suffix'):
@@ -310,6 +317,7 @@ def test_fixed_rows_verify_every_proposal(both_modes):
   assert ar['verify_length'] is None and ar['tier_steps'] is None
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_dir_is_skipped_with_reason(both_modes, tmp_path):
   _, rows, meta, _, out = both_modes
   assert 'mtp' not in {r['method'] for r in rows}
@@ -324,6 +332,7 @@ def test_missing_checkpoint_dir_is_skipped_with_reason(both_modes, tmp_path):
   assert skipped == {'dflash2': 'no checkpoint: drafters.dflash.path is empty'}
 
 
+@pytest.mark.slow
 def test_draft_cost_and_condition_report(both_modes):
   _, rows, meta, _, out = both_modes
   assert _by(rows, 'ngram', 'auto')['draft_over_verify'] > 0
@@ -409,6 +418,7 @@ class _WrongHostDrafter:
     pass
 
 
+@pytest.mark.slow
 def test_counting_fallback_compiles_nothing_inside_the_host_loop(tiny_split):
   """The benchmark's counting fallback counts the AR row-steps of the host loop (rejected
   steps, the second carrying an AR chunk, then AR chunks), and nothing compiles inside the

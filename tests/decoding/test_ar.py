@@ -36,6 +36,7 @@ def ar_engine(tiny_split):
   return SpeculativeEngine(tiny_split[0])
 
 
+@pytest.mark.slow
 def test_greedy_matches_uncached_loop_for_ragged_batch(tiny_model, tiny_split, ar_engine):
   outs, state = generate(ar_engine, tiny_split[1], None, PROMPTS, 12)
   for prompt, out in zip(PROMPTS, outs):
@@ -45,6 +46,7 @@ def test_greedy_matches_uncached_loop_for_ragged_batch(tiny_model, tiny_split, a
   assert np.all(np.asarray(state.stats.committed_B) == 11)
 
 
+@pytest.mark.slow
 def test_batch_rows_are_independent(tiny_split, ar_engine):
   batched, _ = generate(ar_engine, tiny_split[1], None, PROMPTS, 12)
   for i, prompt in enumerate(PROMPTS):
@@ -52,6 +54,7 @@ def test_batch_rows_are_independent(tiny_split, ar_engine):
     assert alone[0] == batched[i]
 
 
+@pytest.mark.slow
 def test_stop_token_ends_each_row_on_its_own(tiny_split, ar_engine):
   full, _ = generate(ar_engine, tiny_split[1], None, PROMPTS, 12)
   stop = full[0][3]
@@ -67,6 +70,7 @@ def test_stop_token_ends_each_row_on_its_own(tiny_split, ar_engine):
   assert bool(np.all(np.asarray(state.done_B)))
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_respects_top_k(tiny_model, tiny_split):
   engine = SpeculativeEngine(tiny_split[0], sampling=SamplingSpec(greedy=False, top_k=3))
   prompt = [[5, 6, 7]] * 4
@@ -92,6 +96,7 @@ def test_sampling_spec_validation():
     SamplingSpec.create(1.0, 0, 1.5)
 
 
+@pytest.mark.slow
 def test_chunks_of_a_seen_length_transfer_nothing(tiny_split, ar_engine):
   """`run`'s step limit and `force_wide` are device scalars transferred once per value
   (`device_scalar`): chunks of lengths already run transfer nothing to the device, and
@@ -108,6 +113,7 @@ def test_chunks_of_a_seen_length_transfer_nothing(tiny_split, ar_engine):
   assert generated_ids(state) == expected
 
 
+@pytest.mark.slow
 def test_an_ar_step_counts_as_a_step_proposing_nothing(tiny_split):
   """On a speculative engine's state (per-draft counters for γ = 3), plain AR steps (the
   controller's and the host loop's tier 0: no draft position, so no per-draft counting)

@@ -95,7 +95,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize('case', list(CASES))
+# mtp_parallel: the module's quick test (`pytest -m 'not slow and not multiprocess'`).
+@pytest.mark.parametrize('case', [c if c == 'mtp_parallel' else
+                                  pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_beam_nodes_draft_along_their_own_paths(tiny_model, case):
   """Each beam node's draft logits equal the drafter's training pass (EAGLE-3's TTT,
   MTP's full causal pass) at n-2 over the committed tokens followed by the node's own
@@ -165,6 +167,7 @@ AR_DRAFTERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', list(AR_DRAFTERS))
 def test_trees_equal_ar_and_beat_the_chain(tiny_split, tiny_model, ar_outputs, kind):
   drafter, dparams = AR_DRAFTERS[kind](tiny_model)
@@ -179,6 +182,7 @@ def test_trees_equal_ar_and_beat_the_chain(tiny_split, tiny_model, ar_outputs, k
   assert tau(tree_state) > tau(chain_state), (tau(tree_state), tau(chain_state))
 
 
+@pytest.mark.slow
 def test_eagle3_trees_stop_token(tiny_split, tiny_model, ar_outputs):
   stop = ar_outputs[0][6]
   drafter, dparams = Eagle3Drafter.create(_eagle3(tiny_model), 3)
@@ -197,6 +201,7 @@ SAMPLED_DRAFTERS = {   # on the small-vocabulary target
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', list(SAMPLED_DRAFTERS))
 def test_sampled_trees_keep_the_target_distribution(small_vocab_model, kind):
   graphdef, params = nnx.split(small_vocab_model)
@@ -209,6 +214,7 @@ def test_sampled_trees_keep_the_target_distribution(small_vocab_model, kind):
                                     num_tokens=2, max_new_tokens=2 + 7)   # whole trees
 
 
+@pytest.mark.slow
 def test_sampled_trees_are_chains_under_sampled_siblings(tiny_model):
   """At T > 0 a beam drafter's tree is top_k sampled chains: distinct root children, each
   node's q its own draft distribution, chains shortened when the node budget binds."""

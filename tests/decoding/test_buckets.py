@@ -72,6 +72,7 @@ def test_buckets_are_powers_of_two_from_the_minimum_up_to_the_context():
   assert prompt_BP.shape == (3, 63) and lens.tolist() == [3, 17, 40]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['ngram', 'mtp'])
 @pytest.mark.parametrize('verify_length', ['fixed', 'tree'])
 def test_bucketed_outputs_equal_the_exact_shapes(target, drafters, exact_ar, kind,
@@ -90,6 +91,7 @@ def test_bucketed_outputs_equal_the_exact_shapes(target, drafters, exact_ar, kin
       assert out.metrics[name] == exact[name], name
 
 
+@pytest.mark.slow
 def test_calls_compile_once_per_bucket(target):
   """Under the controller (auto), calls over many prompt lengths and budgets: a bucket's
   first call compiles (and profiles), later calls in it compile nothing, and a new bucket
@@ -111,6 +113,7 @@ def test_calls_compile_once_per_bucket(target):
   assert 0 < counts[5] <= counts[0] and counts[6:] == [0, 0], counts
 
 
+@pytest.mark.slow
 def test_after_warmup_its_buckets_compile_and_profile_nothing(target, capsys, monkeypatch):
   drafter = dspec.load_drafter('ngram', target=target, num_draft=5, max_n=3)   # its own
   assert dspec.warmup(target, drafter, prompt_lengths=[100], max_new_tokens=20) == [
@@ -124,6 +127,7 @@ def test_after_warmup_its_buckets_compile_and_profile_nothing(target, capsys, mo
   assert compiled == [] and 0 < len(out.ids[0]) <= 40
 
 
+@pytest.mark.slow
 def test_warmup_checks_its_arguments(target):
   with pytest.raises(ValueError, match='prompt_lengths must be a non-empty list'):
     dspec.warmup(target, prompt_lengths=5)
@@ -144,6 +148,7 @@ DEMO_ROWS = ['def fibonacci(n):', 'Question: A farmer has 12 cows and buys 7 mor
              'of them are sold. How many cows are left?\nAnswer:', 'import numpy as np\n']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind,verify_length', [
     ('suffix', 'fixed'), ('eagle3', 'fixed'), ('dflash2', 'fixed'), ('dspark', 'fixed'),
     ('dflash', 'tree')])
@@ -170,6 +175,7 @@ def _exact_rows(target, rows):
       params, None, prompt_BP, lens, max_new_tokens=NEW)))
 
 
+@pytest.mark.slow
 def test_a_hundred_calls_stay_compiled_flat_and_fast(target, drafters):
   """What a notebook does (issue 59): a learned drafter under the default `auto`, warmed up
   once, then 100 `generate` calls over 100 distinct prompt lengths (up to the largest

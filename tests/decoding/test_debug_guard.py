@@ -8,7 +8,10 @@ from dspec.decoding import runner
 
 
 @pytest.mark.parametrize('drafter,verify_length', [
-    ('ngram', 'auto'), ('suffix', 'fixed'), ('oracle', 'auto'), ('self', 'fixed')])
+    pytest.param('ngram', 'auto', marks=pytest.mark.slow),
+    pytest.param('suffix', 'fixed', marks=pytest.mark.slow),
+    pytest.param('oracle', 'auto', marks=pytest.mark.slow),
+    ('self', 'fixed')])   # the module's quick test
 def test_decode_has_no_implicit_transfers(drafter, verify_length):
   cfg = tiny.get_config()
   cfg.drafter, cfg.verify_length, cfg.debug, cfg.compare_ar = drafter, verify_length, True, True

@@ -12,7 +12,7 @@ from dspec.sampling import SamplingSpec
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 2], [33, 4, 12]]
 
 
-@pytest.mark.parametrize('temperature', [0.0, 1.0])
+@pytest.mark.parametrize('temperature', [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_empty_proposals_verify_the_anchor_alone(tiny_split, temperature):
   graphdef, params = tiny_split
   spec = SamplingSpec.create(temperature, 0, 1.0)

@@ -34,6 +34,7 @@ def ar_outputs(tiny_split):
   return batched, single
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,drafter', DRAFTERS,
                          ids=[f'{n}-g{d.num_draft}' for n, d in DRAFTERS])
 def test_greedy_speculative_equals_ar(tiny_split, ar_outputs, name, drafter):

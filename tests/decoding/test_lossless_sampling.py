@@ -110,6 +110,7 @@ def _cases():
   }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', list(_cases()))
 def test_rejection_sampling_matches_target_joint(case):
   P, Q, one_hot = _cases()[case]
@@ -125,6 +126,7 @@ def test_broken_acceptance_rule_is_caught():
   assert min(p_first, p_joint) < 1e-12
 
 
+@pytest.mark.slow
 def test_accept_probability_and_residual_are_exact():
   """One position: P(accept d) = min(1, p(d)/q(d)); rejected output ~ norm(max(p-q, 0))."""
   p = jnp.array([0.5, 0.3, 0.2, 0.0])
@@ -152,6 +154,7 @@ def test_accept_probability_and_residual_are_exact():
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,drafter,spec,temperature,top_p', [
     ('ar', None, SamplingSpec(greedy=False), 1.0, 1.0),
     ('ngram', NgramDrafter(num_draft=3, max_n=2), SamplingSpec(greedy=False), 1.0, 1.0),
@@ -191,6 +194,7 @@ class _ScheduledController(VerifyLengthController):
                                state=dataclasses.replace(decision.state, prev=g, chunk=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,drafter,schedule', [
     ('self', SelfDrafter(num_draft=2), (0, 2, 0)),
     ('oracle_adversarial', OracleDrafter(num_draft=2, acceptance=(0.0,)), (0, 2, 2)),
@@ -218,6 +222,7 @@ BRANCHING_PROMPT = [3, 4, 11, 9, 2, 7, 8, 0, 10, 1, 6, 5, 0, 11, 8, 10, 7, 5, 9,
                     4, 0, 7, 9, 10, 3, 1, 4, 5, 6, 2, 8, 11]
 
 
+@pytest.mark.slow
 def test_controller_switching_node_budgets_is_lossless(small_vocab_model):
   """verify_length=auto_tree at T=1: each generation verifies a 7-node n-gram trie, then
   an AR step, then a 3-node trie (the cycle repeats); the 3-token joint and the first two

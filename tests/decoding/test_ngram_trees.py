@@ -90,6 +90,7 @@ PROMPTS = [[47, 31, 35, 31, 31, 35, 35, 35, 47, 31], [48, 13, 38, 38, 13, 13, 38
 NEW_TOKENS = 19
 
 
+@pytest.mark.slow
 def test_greedy_ngram_trees_equal_ar_and_beat_the_chain(tiny_split):
   graphdef, params = tiny_split
   ar = generate(SpeculativeEngine(graphdef), params, None, PROMPTS, NEW_TOKENS)[0]
@@ -110,6 +111,7 @@ SAMPLING_PROMPT = [3, 4, 11, 9, 2, 7, 8, 0, 10, 1, 6, 5, 0, 11, 8, 10, 7, 5, 9, 
                    4, 0, 7, 9, 10, 3, 1, 4, 5, 6, 2, 8, 11]
 
 
+@pytest.mark.slow
 def test_ngram_trees_keep_the_target_distribution(small_vocab_model):
   """The first 3 generated tokens' joint (the prefill's token, then two tree steps) against
   the target's. The budget leaves the first tree its 7 nodes (a tree is cut to the cache

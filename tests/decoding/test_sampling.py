@@ -85,6 +85,7 @@ def _check(logits, spec, temperature, top_p, plan=(True, 1)):
 
 
 # (row by row, probes per pass): the CPU plan, batched bisection, the accelerator plan.
+@pytest.mark.slow
 @pytest.mark.parametrize('plan', [(True, 1), (False, 1), (False, 4), (False, 15)])
 @pytest.mark.parametrize('kind', ['peaked', 'flat', 'ties', 'mixed', 'zipf'])
 def test_top_p_matches_sort(kind, plan):
@@ -96,6 +97,7 @@ def test_top_p_matches_sort(kind, plan):
         _check(logits, spec, temperature, top_p, plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('top_k', [1, 5, 40, 1023])
 @pytest.mark.parametrize('kind', ['flat', 'ties', 'zipf'])
 def test_top_k_and_top_p_match_sort(top_k, kind):
@@ -106,6 +108,7 @@ def test_top_k_and_top_p_match_sort(top_k, kind):
       _check(logits, spec, 1.0, top_p)
 
 
+@pytest.mark.slow
 def test_small_vocab_and_exact_ties():
   spec = SamplingSpec(greedy=False, top_k=0, use_top_p=True)
   _check(_logits(0, (4, 16), 'ties'), spec, 1.0, 0.7)   # vocab <= head: no search
@@ -115,6 +118,7 @@ def test_small_vocab_and_exact_ties():
   np.testing.assert_allclose(probs, np.full((1, 4), 0.25))
 
 
+@pytest.mark.slow
 def test_search_agrees_with_sort_on_full_vocab():
   """Demo-sized rows (vocab 8192) through the bisection, each row a different shape."""
   spec = SamplingSpec(greedy=False, top_k=0, use_top_p=True)

@@ -212,6 +212,7 @@ def test_host_drafter_pads_proposals():
 # ------------------------------------------------------------------ end to end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('prompts', [
     [[3, 4, 5, 6] * 5],
     [[3, 4, 5, 6] * 5, [7, 8, 9] * 3 + [10, 11]],
@@ -238,6 +239,7 @@ def test_suffix_decoding_is_lossless(tiny_split, prompts):
   assert sum(accepted[0]) > 0
 
 
+@pytest.mark.slow
 def test_out_of_vocabulary_drafts_end_the_proposal(tiny_split):
   """A host proposal with ids outside the vocabulary (a buggy drafter) is cut at the first
   of them: the output stays AR's (an out-of-range embedding would be NaN in the cache)."""
@@ -380,6 +382,7 @@ def _host_loop_with_fallback(tiny_split, make_host, step_cost=1.5, prompts=None,
   return state, host, counted.calls, fallback.calls
 
 
+@pytest.mark.slow
 def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   """A drafter that proposes nothing: AR chunks from the start (4 + 16 + 39 tokens: they
   grow 4× while judged walks take nothing), not a step. Suffix decoding on prompts that
@@ -397,6 +400,7 @@ def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
   assert (steps, chunks) == (0, 3)
 
 
+@pytest.mark.slow
 def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_split):
   """The repeating prompts' walk earns speculation (an AR step, as above); their stretch
   realised 1 token per step against the walk's prediction, and the fallback keeps that:
@@ -416,6 +420,7 @@ def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_sp
   assert (steps, chunks) == (0, 3)
 
 
+@pytest.mark.slow
 def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
   """Each step verifies the next power of two at or above its longest proposal (at most
   num_draft 4): proposals of 1, 2, 3 drafts take steps of widths 1, 2, 4; the output is
@@ -449,6 +454,7 @@ def _first_and_later_ms(run, later: int = 5):
   return times[0], float(np.median(times[1:]))
 
 
+@pytest.mark.slow
 def test_every_verify_width_compiles_before_the_loop(tiny_split):
   """`compile_step_widths` (the runner's, before the timer starts) compiles the step, and
   the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4, and the
@@ -494,6 +500,7 @@ def test_every_verify_width_compiles_before_the_loop(tiny_split):
     assert len(fresh.step_s) == len(fresh.ar_token_s) == 1 and fresh.step_cost() > 1
 
 
+@pytest.mark.slow
 def test_quiet_ar_chunks_queue_behind_each_other(tiny_split, monkeypatch):
   """A drafter that proposes nothing, prompts judged: AR chunks of 4, 16, 39, each queued
   before the one before it is read back (the device never waits on the host between
@@ -508,6 +515,7 @@ def test_quiet_ar_chunks_queue_behind_each_other(tiny_split, monkeypatch):
   assert events == ['run', 'run', 'take', 'run', 'take', 'take']
 
 
+@pytest.mark.slow
 def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
   _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter(),
                                                  judge_prompts=False)
@@ -563,6 +571,7 @@ class _SparselyRightHostDrafter(_HostDrafterFrom):
     return tokens, num
 
 
+@pytest.mark.slow
 def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
   """Walks that take a few drafts, priced at 100 AR steps (none pays), at T = 1: after
   the AR step of the stretch, the chunks grow 2× (4, 8, 16, 32), each judged at once; with
@@ -588,6 +597,7 @@ def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
     assert lengths == expected and not any(fallback.judges_earned)
 
 
+@pytest.mark.slow
 def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(tiny_split):
   """At T = 1 (sampled from the top 1), drafts right at every third position from 3,
   priced at 4.5 AR steps (a step with 4 drafts could pay; one accepting a single draft
@@ -610,6 +620,7 @@ def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(ti
   assert steps == 2 and not any(fallback.judges_earned)
 
 
+@pytest.mark.slow
 def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   """Proposals that never pay count like empty ones, and judged in retrospect after each
   AR chunk they never win speculation back."""
@@ -630,6 +641,7 @@ def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
   assert host.calls == 2 + 4
 
 
+@pytest.mark.slow
 def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
   """Right drafts from token 2 to 29, wrong ones elsewhere: two unpaid steps (tokens 0,
   1); an AR chunk of 4 (2-5, judged: 4 tokens in 1 step, over the step's price of 2);

@@ -21,6 +21,7 @@ def _logits_with_argmax(argmax_N, vocab=10):
   return jax.nn.one_hot(jnp.asarray(argmax_N)[None], vocab) * 5.0
 
 
+@pytest.mark.slow
 def test_structure_of_a_hand_tree():
   HAND.check()
   np.testing.assert_array_equal(HAND.depths_BN()[0], [0, 1, 1, 2, 2, 3, 0])
@@ -39,6 +40,7 @@ def test_structure_of_a_hand_tree():
                                        [1, 1, 0, 0, 0, 0, 0, 0, 1, 0]])
 
 
+@pytest.mark.slow
 def test_greedy_takes_the_deepest_matching_path():
   # argmax at root 1 (node 1), at node 1: 3 (nodes 3 and 4), at node 3: 4 (node 5).
   n, path, out = greedy_tree_verify(HAND, _logits_with_argmax([1, 3, 0, 4, 7, 8, 0]), 6)
@@ -56,6 +58,7 @@ def test_greedy_takes_the_deepest_matching_path():
   assert int(n[0]) == 0 and int(out[0, 0]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('greedy', [True, False])
 def test_chain_tree_verifies_like_the_chain(greedy):
   key = jax.random.key(1)

@@ -72,6 +72,7 @@ def _tiny_dflash2(target_cfg, block_size=5, seed=6):
   return DFlashDrafter.create(model)
 
 
+@pytest.mark.slow
 def test_comb_trees_accept_through_later_siblings(tiny_split, ar_outputs):
   engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=SelfDrafter(num_draft=4)),
                       CombTrees(), num_nodes=9, max_depth=4)
@@ -106,6 +107,7 @@ def test_trace_records_each_steps_tree_and_accepted_path(tiny_split, ar_outputs)
   assert len(trace['steps']) == int(state.stats.steps_B[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_nodes', [1, 6, 16])
 def test_dflash_topk_trees_equal_ar(tiny_split, tiny_model, ar_outputs, num_nodes):
   drafter, dparams = _tiny_dflash(tiny_model.cfg)
@@ -116,6 +118,7 @@ def test_dflash_topk_trees_equal_ar(tiny_split, tiny_model, ar_outputs, num_node
   assert outs == ar_outputs
 
 
+@pytest.mark.slow
 def test_dflash2_selector_trees(tiny_split, tiny_model, ar_outputs):
   """top_k = 1: the selector's greedy walk, step for step; wider trees: AR's tokens and
   at least the chain's tau."""
@@ -140,6 +143,7 @@ def test_dflash2_selector_trees(tiny_split, tiny_model, ar_outputs):
   assert tree_state.stats.steps_B.sum() <= want_state.stats.steps_B.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('temperature', [1.0])
 def test_dflash2_selector_trees_keep_the_target_distribution(small_vocab_model, temperature):
   drafter, dparams = _tiny_dflash2(small_vocab_model.cfg, block_size=3)
@@ -153,6 +157,7 @@ def test_dflash2_selector_trees_keep_the_target_distribution(small_vocab_model, 
                                     max_new_tokens=2 + 7)   # room for whole trees
 
 
+@pytest.mark.slow
 def test_chain_trees_step_like_the_chain_engine(tiny_split, ar_outputs):
   chain = SpeculativeEngine(tiny_split[0], drafter=NgramDrafter(num_draft=5, min_n=1,
                                                                 max_n=3), stop_ids=(44,))
@@ -167,6 +172,7 @@ def test_chain_trees_step_like_the_chain_engine(tiny_split, ar_outputs):
   assert int(want_state.stats.accepted_B.sum()) > 0
 
 
+@pytest.mark.slow
 def test_stop_token_inside_a_tree(tiny_split, ar_outputs):
   stop = ar_outputs[0][6]
   engine = TreeEngine(SpeculativeEngine(tiny_split[0], drafter=SelfDrafter(num_draft=4),
@@ -178,6 +184,7 @@ def test_stop_token_inside_a_tree(tiny_split, ar_outputs):
     assert out == ref[:cut]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.8)])
 def test_dflash_topk_trees_keep_the_target_distribution(small_vocab_model, temperature,
                                                          top_p):

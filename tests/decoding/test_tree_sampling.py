@@ -117,6 +117,7 @@ def _committed(key, q_table, p_table, kind, greedy=False):
 SETTINGS = {'T1': (1.0, 1.0), 'T0.7_top_p0.8': (0.7, 0.8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('setting', list(SETTINGS))
 @pytest.mark.parametrize('kind', ['with_replacement', 'without_replacement', 'top_k',
                                   'all_wrong'])
@@ -145,6 +146,7 @@ def test_trees_are_adversarial():
   assert np.any((first[:, 0] == first[:, 1]) | (first[:, 1] == first[:, 2]))
 
 
+@pytest.mark.slow
 def test_greedy_commits_the_argmax_chain():
   """T = 0: whatever the tree, the committed tokens are the target's argmax chain."""
   got = np.asarray(_committed(jax.random.key(3), jnp.asarray(DRAFT, jnp.float32),

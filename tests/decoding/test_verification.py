@@ -22,6 +22,7 @@ def _both(spec, key, draft, num, logits, sampled_q):
   return eager, lazy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sampled_q', [False, True])
 @pytest.mark.parametrize('spec', [SamplingSpec(greedy=False),
                                   SamplingSpec(greedy=False, top_k=8, use_top_p=True),

@@ -146,6 +146,7 @@ def block_ce(toy):
   return fn, taps, drafter
 
 
+@pytest.mark.slow
 def test_context_never_leaks_from_the_anchor_on(toy, block_ce):
   fn, taps, _ = block_ce
   tokens = jnp.asarray(toy['seq'])
@@ -162,6 +163,7 @@ def test_context_never_leaks_from_the_anchor_on(toy, block_ce):
   np.testing.assert_allclose(other[:2], base[:2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bd3lm_objective(toy, block_ce):
   """Noise in range with clean block starts; at t = 1 the CE equals DFlash at anchors kB."""
   _, taps, drafter = block_ce
@@ -203,6 +205,7 @@ def ragged_run(toy):
   return ar, outs, state
 
 
+@pytest.mark.slow
 def test_trained_on_a_toy_sequence_drafts_it(toy, ragged_run):
   assert toy['result']['eval']['acc1'] > 0.95
   assert toy['result']['eval']['walk_tau'] > 2.0   # the decode walk, beside the estimate
@@ -230,6 +233,7 @@ def _cached_and_fresh(drafter, target, dparams, tokens_BL, num_tokens_B, cache):
   return run(dparams, tokens_BL, num_tokens_B, cache)
 
 
+@pytest.mark.slow
 def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
   state = ragged_run[2]
   assert int(state.stats.accepted_B[0]) >= 4   # multi-token commits went through update
@@ -239,6 +243,7 @@ def test_cached_drafting_equals_a_fresh_forward(toy, ragged_run):
   np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_tier0_steps_record_and_sync_catches_up(toy):
   """At the controller's tier 0 DFlash only records fused features (its cache stays at
   the prompt); `sync` then appends them, in γ + 1 windows or a wide trip first, and the
@@ -264,6 +269,7 @@ def test_tier0_steps_record_and_sync_catches_up(toy):
     np.testing.assert_allclose(cached, fresh, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_block_is_whole_whatever_the_budget_left(toy, ragged_run):
   """Decoding drafts as training did: the block keeps all its keys when one token is left
   (block attention is bidirectional, so a shorter block changes every slot). z-lab's
@@ -288,6 +294,7 @@ def test_the_block_is_whole_whatever_the_budget_left(toy, ragged_run):
                          atol=1e-3)
 
 
+@pytest.mark.slow
 def test_controller_tiers_score_only_their_prefix(toy, ragged_run):
   """A tier of g drafts (TruncatedDrafter) scores only the first g block slots, drafting
   exactly the first g tokens of the whole block's proposal."""
@@ -303,6 +310,7 @@ def test_controller_tiers_score_only_their_prefix(toy, ragged_run):
         np.asarray(propose(tier, toy['dparams'], state.drafter_state)), whole[:, :g])
 
 
+@pytest.mark.slow
 def test_greedy_lossless_against_ar(toy, ragged_run):
   ar, outs, state = ragged_run
   assert outs == ar
@@ -314,6 +322,7 @@ def test_greedy_lossless_against_ar(toy, ragged_run):
   assert int(state.stats.accepted_B[0]) > 0
 
 
+@pytest.mark.slow
 def test_reduced_draft_vocabulary(toy):
   tokens = np.array([[5, 5, 7, 2, 2, 2]])
   written = np.array([[0, 1, 1, 0, 0, 1]], bool)
@@ -342,6 +351,7 @@ def test_reduced_draft_vocabulary(toy):
   assert 0 < int(state.stats.accepted_B[0]) < int(state.stats.proposed_B[0])
 
 
+@pytest.mark.slow
 def test_sampled_output_matches_the_target(small_vocab_model):
   cfg = DFlashConfig.create(small_vocab_model.cfg.num_layers, num_layers=1, block_size=3,
                             mask_token_id=11)
@@ -354,6 +364,7 @@ def test_sampled_output_matches_the_target(small_vocab_model):
                                     num_samples=25_000, num_tokens=2)
 
 
+@pytest.mark.slow
 def test_mismatched_target_and_missing_path_are_clear_errors(toy):
   drafter = toy['drafter']
   for change, words in [({'embed_dim': 48}, 'width'), ({'vocab_size': 300}, 'vocab'),
@@ -368,6 +379,7 @@ def test_mismatched_target_and_missing_path_are_clear_errors(toy):
     drafter.with_num_draft(drafter.config.block_size)
 
 
+@pytest.mark.slow
 def test_a_drafter_loaded_against_another_target_warns_naming_both(toy, capsys):
   record = checkpoint.read_model_metadata(toy['cfg'].drafters.dflash.path, 'dflash')['extra']
   assert record['target_sha256'] == checkpoint.weights_fingerprint(toy['target'])
@@ -383,6 +395,8 @@ def test_a_drafter_loaded_against_another_target_warns_naming_both(toy, capsys):
   assert checkpoint.weights_fingerprint(other)[:12] in err
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_decode_cli_with_a_trained_drafter(toy, tmp_path):
   metrics = tmp_path / 'm.json'
   cmd = [sys.executable, os.path.join(REPO_ROOT, 'scripts', 'decode.py'),

@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import REPO_ROOT, TINY
@@ -59,6 +60,7 @@ def _draft(drafter, target, tokens_1S, anchor):
                  drafter.cfg.draft_masks(BLOCK), jnp.array([anchor]))
 
 
+@pytest.mark.slow
 def test_convs_start_as_identity():
   """From scratch, DFlash-2's backbone computes exactly DFlash on the same weights."""
   target = _target()
@@ -78,6 +80,7 @@ def test_convs_start_as_identity():
                                 np.asarray(_draft(one, target, tokens, 7)))
 
 
+@pytest.mark.slow
 def test_conv_formula_causal_in_block_zero_across_blocks():
   key_x, key_d, key_b = jax.random.split(jax.random.key(3), 3)
   block, groups, group, taps = 4, 2, 3, 3
@@ -99,6 +102,7 @@ def test_conv_formula_causal_in_block_zero_across_blocks():
   assert changed.tolist() == [False] * (block + 1) + [True] * (block - 1)
 
 
+@pytest.mark.slow
 def test_training_layout_matches_drafting():
   """The per-layer training masks (z-lab causal/sliding semantics) and the conv's block
   boundaries give each block of the training layout exactly its drafting output."""
@@ -134,6 +138,7 @@ def _selector(vocab, dim, rank, seed):
   return sel
 
 
+@pytest.mark.slow
 def test_sampled_walk_follows_q():
   """Sampled walks: the first token and the (first, second) pair are distributed as the
   q the walk returns (chi-square), and the greedy walk takes the argmax path."""
@@ -162,6 +167,7 @@ def test_sampled_walk_follows_q():
   assert int(greedy.tokens_BG[0, 0]) == top
 
 
+@pytest.mark.slow
 def test_rejection_with_selector_q_is_lossless_when_candidates_miss_the_mode():
   """Rejection sampling of the walk's first draft with its q (scattered over the
   vocabulary) emits exactly the target's distribution, whose mode the K candidates miss."""
@@ -187,6 +193,7 @@ def test_rejection_with_selector_q_is_lossless_when_candidates_miss_the_mode():
   assert chi_square_pvalue(np.bincount(first, minlength=vocab), p1) > 1e-3
 
 
+@pytest.mark.slow
 def test_selector_terms_inject_missing_gold():
   drafter = dflash2.DFlash2Model(_config(), WIDE, rngs=nnx.Rngs(13))
   k = drafter.cfg.selector_top_k
@@ -223,6 +230,8 @@ def test_selector_keeps_the_fast_top_k():
     assert ' sort(' not in fn.lower(*args).compile().as_text()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dflash2_task_trains_loads_and_exports(tmp_path):
   data = tmp_path / 'data'
   data.mkdir()

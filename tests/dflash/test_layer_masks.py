@@ -38,6 +38,7 @@ def _from_intervals(mask, q_len, kv_len, offsets):
   return ((kv >= lo) & (kv < hi)).any(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mask', DRAFT + TRAIN, ids=str)
 def test_intervals_match_definition(mask):
   if isinstance(mask, DraftLayerMask):
@@ -48,6 +49,7 @@ def test_intervals_match_definition(mask):
                                 _dense(mask, *shape, offsets))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mask', DRAFT[:4] + DRAFT[5:], ids=str)
 @pytest.mark.parametrize('anchor,block_len', [(13, 8), (6, 3)])
 def test_draft_mask_is_zlabs(mask, anchor, block_len):
@@ -76,6 +78,7 @@ def test_anchor_window_is_dspecs_own_masks():
       _dense(DFlashTrainMask(4, CONTEXT, window=5), 12, CONTEXT + 12, ANCHORS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mask,shape,offsets', [
     (DraftLayerMask(BLOCK, causal=True, window=5), (BLOCK, CACHE + BLOCK), ((13, 6), (4, 8))),
     (TrainLayerMask(4, CONTEXT, causal=True, window=3), (12, CONTEXT + 12), ANCHORS),

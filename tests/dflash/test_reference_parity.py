@@ -133,6 +133,7 @@ def _dspec_block(drafter, target, ids, block_size, verify):
   return np.asarray(drafter.draft_logits(target, hidden))[0], hidden
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_draft_logits_match_zlab(root, target, name):
   hf, ours, ids, _ = target
@@ -162,6 +163,7 @@ def test_default_taps_are_zlabs():
         zlab.build_target_layer_ids(depth, n)
 
 
+@pytest.mark.slow
 def test_sampled_selector_q_matches_zlab(root, target):
   """At T > 0 the q of every slot, given the path z-lab sampled, equals z-lab's q (as a
   distribution over candidate token ids), and dspec's own walk returns a normalised q
@@ -199,6 +201,7 @@ def test_sampled_selector_q_matches_zlab(root, target):
                                    -1) > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['dflash', 'dflash2'])
 def test_export_round_trip(root, target, kind):
   """A dspec drafter (random, from scratch) exported in z-lab form loads in z-lab's
@@ -266,6 +269,7 @@ def _speculators_dir(root, name, zlab_path, target_path, draft_vocab=None):
   return str(path)
 
 
+@pytest.mark.slow
 def test_speculators_form(root, target):
   """speculators dflash (reduced vocabulary via t2d/d2t, taps as aux hidden-state
   indices) and dflash2 (bare codebook names, bidirectional sliding layers) load and match
@@ -293,6 +297,7 @@ def test_speculators_form(root, target):
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_load_drafter_detects_dspec_checkpoints(root, target):
   _, ours, _, _ = target
   for config_class, drafter_class in ((dflash_lib.DFlashConfig, dflash_lib.DFlashModel),

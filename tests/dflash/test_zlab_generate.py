@@ -76,7 +76,9 @@ def _zlab_run(model, hf, prompt):
   return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths), blocks
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
+# dflash_default_taps_b16: the module's quick test.
+@pytest.mark.parametrize('name', [n if n == 'dflash_default_taps_b16' else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)])
 def test_dspec_follows_dflash_generate_step_for_step(target, name, monkeypatch):
   monkeypatch.setattr(zlab, '_cuda_time', lambda: 0.0)
   hf, ours, root, prompt = target

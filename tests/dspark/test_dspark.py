@@ -67,6 +67,7 @@ def toy(tmp_path_factory):
               drafter=drafter, dparams=dparams, result=result)
 
 
+@pytest.mark.slow
 def test_training_learns_the_sequence_and_stores_the_calibration(toy):
   ev = toy['result']['eval']
   assert ev['acc1'] > 0.95 and ev['tau_est'] > 3.0, ev
@@ -111,6 +112,7 @@ def _ragged_start(toy, drafter):
   return engine, propose, state
 
 
+@pytest.mark.slow
 def test_greedy_equals_ar_in_a_ragged_batch_with_differing_verify_lengths(toy):
   drafter = dataclasses.replace(toy['drafter'], verify_cost=0.15)
   params, dparams = toy['params'], toy['dparams']
@@ -162,6 +164,7 @@ def test_cost_table_fits_the_load_aware_verify_cost():
   assert CostTable({(1, 0): 2.0, (1, 3): 1.0}, {1: 0.0}).verify_cost(1, (0, 3)) == 0.0
 
 
+@pytest.mark.slow
 def test_load_aware_verify_cost_sets_the_verify_lengths_without_recompiling(toy):
   """λ from a table where verify is nearly free: every row verifies its whole block; from
   one where it is expensive: rows verify fewer. One compiled proposal serves both."""
@@ -178,6 +181,7 @@ def test_load_aware_verify_cost_sets_the_verify_lengths_without_recompiling(toy)
   assert propose._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_controller_hands_the_drafter_its_load_aware_verify_cost(toy):
   """Under verify_length=auto the controller sets λ(B) from its table; greedy output still
   equals AR in the ragged batch, and with nearly free verification (λ ≈ 0) row 0's
@@ -203,6 +207,7 @@ def test_controller_hands_the_drafter_its_load_aware_verify_cost(toy):
       assert len(proposed) >= 2 and all(n == whole for n, whole in proposed), proposed
 
 
+@pytest.mark.slow
 def test_bad_drafter_settings_are_one_line_errors(toy):
   with pytest.raises(ValueError, match=r'drafters.dspark.num_draft must be in \[1, 4\]'):
     toy['drafter'].with_num_draft(BLOCK + 1)

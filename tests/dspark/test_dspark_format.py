@@ -126,6 +126,7 @@ def target():
   return Transformer(TINY, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('head_type,with_markov', [('vanilla', True), ('gated', True),
                                                    ('rnn', True), ('rnn', False)])
 def test_heads_match_speculators(tmp_path, target, head_type, with_markov):
@@ -178,6 +179,7 @@ def test_heads_match_speculators(tmp_path, target, head_type, with_markov):
                              np.asarray(tf_conf).reshape(3, BLOCK), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_speculators_round_trip_keeps_weights_and_calibration(tmp_path):
   cfg = dspark.DSparkConfig.create(TINY.num_layers, num_layers=1, block_size=BLOCK,
                                    mask_token_id=63, target_layer_ids=(0,), markov_rank=RANK,
@@ -226,6 +228,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
     load_dspark(tmp_path / 'd')
 
 
+@pytest.mark.multiprocess
 def test_markov_rank_zero_with_the_confidence_head_is_one_line_from_train(tmp_path):
   """The CLI path: `scripts/train.py` with markov_rank=0 and the confidence head on."""
   data = tmp_path / 'data'

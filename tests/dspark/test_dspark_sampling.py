@@ -34,6 +34,7 @@ def _random_drafter(target_cfg, head_type: str, seed: int):
   return DSparkDrafter.create(model, verify_cost=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('head_type,spec,temperature', [
     ('vanilla', SamplingSpec(greedy=False), 1.0),
     ('gated', SamplingSpec(greedy=False, top_k=5), 0.8),
@@ -67,6 +68,7 @@ def test_sampled_walk_follows_the_biased_q(small_vocab_model):
   assert np.abs(q[first][0, 1] - q[~first][0, 1]).max() > 0.05   # q depends on slot 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('temperature', [0.0, 1.0])
 def test_markov_trees_keep_the_target_distribution(small_vocab_model, temperature):
   """Beam trees over the Markov walk (each node's own token and recurrent state; sampled
@@ -87,6 +89,7 @@ def test_markov_trees_keep_the_target_distribution(small_vocab_model, temperatur
                                     num_tokens=2, max_new_tokens=2 + 7)   # whole trees
 
 
+@pytest.mark.slow
 def test_markov_tree_top_1_is_the_walk(small_vocab_model):
   """A beam of one is the greedy Markov walk, token for token (the recurrent state follows
   the path)."""

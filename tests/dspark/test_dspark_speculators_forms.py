@@ -111,6 +111,19 @@ def _dspec_block(model, target, tokens):
   return hidden, model.walk(target, hidden, ids[:, p])
 
 
+def test_a_speculators_dspark_directory_loads_with_its_config(tiny_model, tmp_path):
+  """The quick check's part of the test below (no forward pass): speculators' own
+  directory, with a reduced draft vocabulary, loads into the DSpark config it was made
+  from."""
+  changes, draft_ids = CASES['reduced_vocab']
+  _saved_reference(tmp_path, _config(**changes), draft_ids, tiny_model)
+  model = load_dspark(str(tmp_path), num_target_layers=TINY.num_layers)
+  assert model.cfg.draft_vocab == tuple(draft_ids)
+  assert (model.cfg.block_size, model.cfg.mask_token_id, model.cfg.markov_rank,
+          model.cfg.target_layer_ids) == (BLOCK, MASK, RANK, (0, 1))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_speculators_dspark_forms_load_with_parity(tiny_model, tiny_split, tmp_path, name):
   changes, draft_ids = CASES[name]

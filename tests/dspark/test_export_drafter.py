@@ -17,7 +17,7 @@ from conftest import REPO_ROOT, TINY
 from dspec import checkpoint
 from dspec.models import dspark
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, save_eagle3
-from dspec.models.formats import load_dspark, load_eagle3
+from dspec.models.formats import DRAFTERS, kind_of, load_dspark, load_eagle3
 from dspec.models.transformer import Transformer
 
 EXPORT = os.path.join(REPO_ROOT, 'scripts', 'export_drafter.py')
@@ -65,6 +65,8 @@ def _dspark_draft(model, target, tokens_1S, anchor):
   return model.heads(target, hidden, tokens_1S[:, anchor:anchor + BLOCK])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dspark_checkpoint_exports_to_speculators_and_drafts_the_same(
     dspark_ckpt, target, tmp_path):
   path, model = dspark_ckpt
@@ -82,6 +84,29 @@ def test_dspark_checkpoint_exports_to_speculators_and_drafts_the_same(
   np.testing.assert_allclose(np.asarray(conf), np.asarray(want_conf), atol=1e-5)
 
 
+def test_the_script_s_registry_exports_and_reloads_an_eagle3_checkpoint(tmp_path):
+  """The quick check's export, in this process: the calls the script makes (the kind read
+  from the checkpoint, its speculators writer), and the written directory loads back with
+  the same config and weights."""
+  vocab = tuple(range(0, 64, 3))
+  cfg = Eagle3Config(target_layer_ids=(1, 0, 1), final_tap_normed=True, draft_vocab=vocab)
+  model = Eagle3Model(cfg, TINY, rngs=nnx.Rngs(4))
+  save_eagle3(tmp_path / 'ckpt', model)
+  kind = kind_of(str(tmp_path / 'ckpt'))
+  assert kind == 'eagle3' and 'speculators' in DRAFTERS[kind].writers
+  DRAFTERS[kind].writers['speculators'](str(tmp_path / 'spec'),
+                                        DRAFTERS[kind].load(str(tmp_path / 'ckpt')),
+                                        dtype='float32', force=False)
+  back = load_eagle3(tmp_path / 'spec', target_cfg=TINY)
+  assert back.cfg.draft_vocab == vocab
+  want, got = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, back))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_eagle3_checkpoint_exports_to_speculators_and_drafts_the_same(target, tmp_path):
   vocab = tuple(sorted(set(range(0, 64, 2)) | set(range(1, 20, 2))))   # a reduced head
   cfg = Eagle3Config(target_layer_ids=(1, 0, 1), final_tap_normed=True, draft_vocab=vocab)
@@ -104,6 +129,8 @@ def test_eagle3_checkpoint_exports_to_speculators_and_drafts_the_same(target, tm
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_bad_input_is_one_error_line(dspark_ckpt, target, tmp_path):
   path, _ = dspark_ckpt
   checkpoint.save_model(tmp_path / 'target', target, kind='target', config=TINY.to_dict())

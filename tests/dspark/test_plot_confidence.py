@@ -23,6 +23,7 @@ TEMPS = (1.0, 2.0, 4.0)
 BIAS = 1.5
 
 
+# Not marked multiprocess: the module's test in the quick check (tests/conftest.py).
 def test_plot_reports_acceptance_and_calibrated_confidence_per_position(tmp_path):
   target = Transformer(TOY, rngs=nnx.Rngs(0))
   checkpoint.save_model(tmp_path / 'target', target, kind='target', config=TOY.to_dict())

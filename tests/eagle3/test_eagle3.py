@@ -61,6 +61,7 @@ CONSISTENCY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fields', CONSISTENCY, ids=['reduced_vocab', 'options', 'window'])
 def test_catch_up_and_drafting_match_ttt(tiny_model, fields):
   """After prefill and catch-ups with varied acceptance (garbage verify taps at rejected
@@ -132,6 +133,7 @@ def ar_outputs(tiny_split):
   return generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)[0]
 
 
+@pytest.mark.slow
 def test_greedy_equals_ar_through_every_format(tiny_split, tiny_model, ar_outputs,
                                                tmp_path):
   """dspec checkpoint, speculators and legacy directories load the same weights, and
@@ -177,6 +179,7 @@ def _legacy_from_speculators(src, dst):
 # ------------------------------------------------------------------- sampled lossless
 
 
+@pytest.mark.slow
 def test_sampled_lossless(small_vocab_model):
   """T = 1, sampled proposals with their q over a reduced head (so q misses tokens the
   target can emit): the first token and the 3-token joint follow the target."""
@@ -198,6 +201,7 @@ def _speculators():
   return speculators_module('models.eagle3')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fields', [dict(), dict(norm_before_fc=True, norm_output=True,
                                                 norm_before_residual=True)],
                          ids=['default', 'options'])
@@ -267,6 +271,7 @@ def test_mismatched_checkpoints_give_one_line(tiny_model, tmp_path):
 # ------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_and_exports(tiny_model, tmp_path, capsys):
   """TTT training (3 steps, reduced head from the written-token counts) on the tiny
   target's own outputs lowers every step's loss; the export loads as a drafter and records

@@ -25,6 +25,7 @@ def model():
   return Transformer(cfg, rngs=nnx.Rngs(1))
 
 
+@pytest.mark.slow
 def test_cached_steps_match_full_forward(model):
   """Prefill, then multi-token and single-token steps at per-row offsets, vs one pass."""
   b, t = 3, 21
@@ -48,6 +49,7 @@ def test_cached_steps_match_full_forward(model):
     cache = out.cache.with_lengths(jnp.asarray(pos))
 
 
+@pytest.mark.slow
 def test_rollback_rewinds_lengths_only(model):
   """Writing rejected tokens then rewinding gives the same logits as never writing them."""
   tokens = jax.random.randint(jax.random.key(2), (1, 12), 0, model.cfg.vocab_size)
@@ -60,6 +62,7 @@ def test_rollback_rewinds_lengths_only(model):
   np.testing.assert_allclose(out.logits_BTV, full[:, 6:12], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_taps_are_residual_outputs_and_hidden_is_post_norm(model):
   tokens = jnp.arange(10)[None, :] % model.cfg.vocab_size
   out = forward(model, tokens, taps=(2,))

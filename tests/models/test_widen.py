@@ -34,6 +34,7 @@ def _assert_same_logits(model, wide):
   np.testing.assert_allclose(wide(TOKENS_BT).logits_BTV, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('ratio', [2, 4])
 def test_a_widened_tiny_target_has_the_same_logits_and_fixed_weights(tiny_model, ratio):
   wide = widen_mlp(tiny_model, ratio)
@@ -49,6 +50,7 @@ def test_ratio_one_is_the_model_itself(tiny_model):
   assert widen_mlp(tiny_model, 1) is tiny_model
 
 
+@pytest.mark.slow
 def test_the_widened_demo_target_has_its_logits_and_greedy_tokens(demo):
   small, wide = demo
   assert wide.model.cfg.mlp_dim == 4 * small.model.cfg.mlp_dim
@@ -59,6 +61,7 @@ def test_the_widened_demo_target_has_its_logits_and_greedy_tokens(demo):
   assert ids[0] == ids[1]
 
 
+@pytest.mark.slow
 def test_a_drafter_of_the_original_fits_the_widened_target(demo, tmp_path, tiny_model,
                                                            capsys):
   """The shipped drafters record no target; one re-saved with the demo target's record
@@ -83,6 +86,7 @@ def test_bad_widen_values_are_one_clear_error(value):
   assert '\n' not in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_decode_job_widens_its_target_and_says_so():
   cfg = tiny.get_config()
   cfg.model.widen_mlp = 2

@@ -50,6 +50,7 @@ CONSISTENCY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('cfg,num_draft', CONSISTENCY, ids=['chained', 'knobs', 'parallel'])
 def test_catch_up_and_drafting_match_full_pass(tiny_model, cfg, num_draft):
   """After prefill and catch-ups with varied acceptance (garbage verify hidden at rejected
@@ -136,6 +137,7 @@ def check_greedy(tiny_split, ar_outputs, drafter, params):
   return state.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('depths', [1, 3])
 def test_greedy_random_mtp_equals_ar(tiny_split, ar_outputs, depths):
   drafter, params = MTPDrafter.from_model(random_mtp(MTPConfig(num_depths=depths)))
@@ -185,6 +187,7 @@ def trained(tmp_path_factory, tiny_model, distilled_dir):
   return before, after, os.path.join(workdir, 'final')
 
 
+@pytest.mark.slow
 def test_posthoc_training_lowers_every_depth(trained):
   before, after, _ = trained
   for k in (1, 2, 3):
@@ -192,12 +195,14 @@ def test_posthoc_training_lowers_every_depth(trained):
   assert after['agree_d1'] > before['agree_d1']
 
 
+@pytest.mark.slow
 def test_greedy_trained_mtp_equals_ar_and_accepts(tiny_split, ar_outputs, trained):
   drafter, params = MTPDrafter.from_model(load_mtp(trained[2]))
   stats = check_greedy(tiny_split, ar_outputs, drafter, params)
   assert int(np.asarray(stats.accepted_B).sum()) > 0
 
 
+@pytest.mark.slow
 def test_joint_step_trains_trunk_and_mtp(tiny_model):
   """Gradients reach the trunk; one SGD step lowers L_main + λ/D Σ L_k."""
   target = nnx.merge(*nnx.split(tiny_model))
@@ -226,6 +231,7 @@ def test_joint_step_trains_trunk_and_mtp(tiny_model):
 # ------------------------------------------------------------------- sampled lossless
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sampled,scale', [
     (False, 10.0),     # argmax proposals (one-hot q)
     (True, 10.0),      # sampled proposals with their q
@@ -251,6 +257,8 @@ def _tiny_preset_target_cfg():
   return TransformerConfig(**common.MODEL_PRESETS['tiny'])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cli_decode_tiny_is_lossless(tmp_path):
   path = str(tmp_path / 'mtp')
   save_mtp(path, random_mtp(MTPConfig(num_depths=4), _tiny_preset_target_cfg()))

@@ -147,6 +147,8 @@ def test_speculators_round_trip(tiny_model, tmp_path):
 
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_export_drafter_writes_speculators_form(tmp_path):
   """scripts/export_drafter.py: a dspec MTP checkpoint (kind from its metadata) exports in
   speculators form with every weight kept; an MTP that form cannot express is one error
@@ -282,6 +284,7 @@ def test_deepseek_layout_matches_reference(tiny_model, tmp_path, embedding, head
                              atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_deepseek_own_embedding_is_used(tiny_model, tmp_path):
   """Per-layer embeddings that differ from the main model's are the depths' own (the
   logits change when they are replaced by the main model's)."""
@@ -310,6 +313,7 @@ def test_target_loads_from_the_same_directory(tiny_model, deepseek_dir):
     np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(x), err_msg=name)
 
 
+@pytest.mark.slow
 def test_greedy_deepseek_drafter_equals_ar(tiny_split, tiny_model, deepseek_dir):
   """Built by the registry from the HF directory; drafts with both depths."""
   engine = SpeculativeEngine(tiny_split[0])
@@ -324,6 +328,8 @@ def test_greedy_deepseek_drafter_equals_ar(tiny_split, tiny_model, deepseek_dir)
   assert int(np.asarray(state.stats.proposed_B).sum()) > 0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cli_decodes_target_and_mtp_from_one_hf_dir(tmp_path):
   """The tiny preset (tied embeddings): the per-layer head copies equal the tied main
   embedding, so the drafter borrows the target's."""

@@ -57,6 +57,7 @@ def _drafts(tiny_split, mtp, sample: bool):
   return draft(params, state, tiny_split[1])
 
 
+@pytest.mark.slow
 def test_reduced_drafts_restrict_the_full_head(tiny_split):
   full = random_mtp(MTPConfig(num_depths=3))
   reduced = random_mtp(MTPConfig(num_depths=3, draft_vocab=VOCAB))
@@ -90,6 +91,7 @@ def test_reduced_drafts_restrict_the_full_head(tiny_split):
   assert np.all(np.take_along_axis(q, tokens[..., None], -1) > 0)
 
 
+@pytest.mark.slow
 def test_greedy_reduced_mtp_equals_ar(tiny_split):
   engine = SpeculativeEngine(tiny_split[0])
   ar, _ = generate(engine, tiny_split[1], None, PROMPTS, NEW_TOKENS)
@@ -101,6 +103,7 @@ def test_greedy_reduced_mtp_equals_ar(tiny_split):
   assert int(np.asarray(state.stats.proposed_B).sum()) > 0
 
 
+@pytest.mark.slow
 def test_sampled_reduced_mtp_is_lossless(small_vocab_model):
   """T = 1, sampled drafts whose q misses 5 of the 12 tokens the target can emit."""
   graphdef, params = nnx.split(small_vocab_model)
@@ -113,6 +116,26 @@ def test_sampled_reduced_mtp_is_lossless(small_vocab_model):
                                     num_tokens=3)
 
 
+def test_a_token_map_sets_the_draft_vocabulary_and_bad_maps_are_refused(tiny_model, tmp_path):
+  """The quick check's part of the test below (no decoding): the drafter a token map gives
+  drafts from the map's ids, in order; a bad map is one error naming the problem."""
+  save_mtp(str(tmp_path / 'mtp'), random_mtp(MTPConfig(num_depths=3)))
+  token_map = tmp_path / 'map.json'
+  token_map.write_text(json.dumps(list(reversed(VOCAB))))
+  cfg = common.decode_config('tiny')
+  cfg.drafter = 'mtp'
+  cfg.drafters.mtp.path = str(tmp_path / 'mtp')
+  cfg.drafters.mtp.token_map = str(token_map)
+  drafter, _ = registry.build_drafter(cfg, tiny_model)
+  assert drafter.config.draft_vocab == VOCAB
+  for text, message in (('[1, 2, 2]', 'repeats token ids'), ('[0, 64]', r'in \[0, 64\)'),
+                        ('[]', 'non-empty JSON list'), ('[1,', 'not JSON')):
+    token_map.write_text(text)
+    with pytest.raises(ValueError, match=message):
+      registry.build_drafter(cfg, tiny_model)
+
+
+@pytest.mark.slow
 def test_token_map_restricts_a_full_vocabulary_mtp(tiny_model, tiny_split, tmp_path):
   """drafters.mtp.token_map gives the drafter a trained reduced MTP would have (same
   weights, drafts inside the map); greedy output equals AR; bad maps are refused."""
@@ -150,6 +173,7 @@ def test_token_map_restricts_a_full_vocabulary_mtp(tiny_model, tiny_split, tmp_p
 # ------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_posthoc_training_with_reduced_vocab(tiny_model, tiny_split, tmp_path):
   """The subset is the most target-written tokens of the training rows; training lowers
   every depth's loss; the export keeps the subset and decodes greedy == AR, accepting."""

@@ -15,6 +15,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -142,6 +143,7 @@ class BlockAttentionTest(parameterized.TestCase):
       self.skipTest(f'the {kernel} kernel needs its own platform')
 
   @parameterized.named_parameters((name, name) for name in CASES)
+  @pytest.mark.slow   # under the parameterisation: absl copies it to each generated test
   def test_forward_and_grads_match_reference(self, name):
     case = CASES[name]
     self._skip_other_platform(case.kernel)
@@ -158,6 +160,7 @@ class BlockAttentionTest(parameterized.TestCase):
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w),
                                  atol=tol, rtol=tol, err_msg=label)
 
+  @pytest.mark.slow
   def test_fully_masked_rows_are_zero(self):
     case = CASES['dflash_train_gqa']  # batch 0, block 2 has anchor -1
     q, k, v, cotangent, offsets = _inputs(case, seed=7)
@@ -168,6 +171,7 @@ class BlockAttentionTest(parameterized.TestCase):
     assert np.all(np.asarray(dq[0, rows]) == 0.0)
     assert np.all(np.isfinite(np.asarray(dq)))
 
+  @pytest.mark.slow
   def test_kernel_skips_empty_tiles(self):
     """The forward loop visits exactly the non-empty tiles, fewer than all."""
     self._skip_other_platform('gpu')
@@ -208,6 +212,7 @@ class BlockedTrainAttentionTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ('gqa', 'dflash_train_gqa'), ('window', 'dflash_train_window'))
+  @pytest.mark.slow
   def test_forward_and_grads_match_dense_reference(self, name):
     case = CASES[name]
     q, k, v, cotangent, offsets = _inputs(case, seed=11)

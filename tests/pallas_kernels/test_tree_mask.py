@@ -54,6 +54,7 @@ def test_hand_matrix():
       _hand_matrix(['11100000', '11110000', '11101000', '11110100', '11000010']))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(CASES))
 def test_definition_matches_draft_tree_and_intervals(name):
   case = CASES[name]
@@ -70,6 +71,7 @@ def test_definition_matches_draft_tree_and_intervals(name):
   assert int(tree.depths_BN().max()) <= case.mask.max_depth
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(CASES))
 def test_kernel_forward_and_grads_match_reference(name):
   case = CASES[name]

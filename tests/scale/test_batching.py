@@ -11,6 +11,7 @@ REQUESTS = [[3, 4, 5, 6, 3, 4], [9, 9, 1], [7, 20, 31, 7, 20], [1, 2], [33, 4, 1
             [5, 6, 7, 8, 9, 10]]
 
 
+@pytest.mark.slow
 def test_refilled_rows_match_static_batches(tiny_split):
   plain = SpeculativeEngine(tiny_split[0])
   ref = static_batches(plain, tiny_split[1], None, REQUESTS, 3, max_new_tokens=12)
@@ -24,6 +25,7 @@ def test_refilled_rows_match_static_batches(tiny_split):
   assert sum(out['steps']) == out['live_row_steps']
 
 
+@pytest.mark.slow
 def test_serve_under_the_controller_refills_between_chunks(tiny_split):
   """`serve` with `verify_length='auto'` (the controller picks each chunk's verify
   length; rows refilled between chunks): every request's tokens are AR's."""

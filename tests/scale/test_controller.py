@@ -55,6 +55,7 @@ def ar(tiny_split):
   return _decode(SpeculativeEngine(tiny_split[0]), tiny_split[1], None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,drafter,per_token,propose', [
     ('ngram', NGRAM, 0.05, 0.0),
     ('self', SelfDrafter(num_draft=4), 0.6, 1e9),   # starts at AR, probes
@@ -108,6 +109,7 @@ class _Eager:
     return self.inner.update(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('make,shadow_probes', [(_mtp, False), (_eagle3, False),
                                                 (_dflash, False), (_dspark, False),
                                                 (_mtp, True)],
@@ -141,6 +143,7 @@ def test_idle_drafters_sync_before_probing(tiny_model, tiny_split, ar, make, sha
       np.testing.assert_array_equal(drafts, drafts_eager)
 
 
+@pytest.mark.slow
 def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):
   """At T = 0 a costly drafter's probe is one unverified proposal of the largest tier,
   judged against the tokens tier 0 then commits: the target's own greedy drafts are all
@@ -158,6 +161,7 @@ def test_costly_drafter_probes_by_one_shadow_proposal(tiny_split, ar):
   assert trace[2][0] == 3 and 1 not in {g for g, _ in trace}, trace
 
 
+@pytest.mark.slow
 def test_first_decision_looks_before_verifying(tiny_split, ar):
   """With verification this cheap the prior (α = 0.5) would verify a positive tier at
   once; without evidence the controller first runs tier 0 with a shadow proposal: one
@@ -182,6 +186,7 @@ def test_first_decision_looks_before_verifying(tiny_split, ar):
     assert outs == ar[0] and controller.last_trace[0][0] > 0, controller.last_trace
 
 
+@pytest.mark.slow
 def test_probe_interval_carries_over_to_the_next_generation(tiny_model, tiny_split, ar):
   """A drafter whose probes do not pay (random MTP weights) is probed at doubling
   intervals (2, 4, 8, 16 steps); the next generation starts from the last interval, so its
@@ -201,6 +206,7 @@ def test_probe_interval_carries_over_to_the_next_generation(tiny_model, tiny_spl
   assert len(second) < len(first), traces
 
 
+@pytest.mark.slow
 def test_makespan_objective_is_lossless_too(tiny_split, ar):
   cfg = ControllerConfig(tiers=TIERS, objective='makespan')
   controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg,
@@ -208,6 +214,7 @@ def test_makespan_objective_is_lossless_too(tiny_split, ar):
   assert _decode(controller, tiny_split[1], None)[0] == ar[0]
 
 
+@pytest.mark.slow
 def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
   controller = VerifyLengthController(tiny_split[0], NGRAM,
                                       config=ControllerConfig(tiers=TIERS),
@@ -219,6 +226,7 @@ def test_expensive_verification_falls_back_to_ar(tiny_split, ar):
   assert controller.costs.payable(len(PROMPTS), TIERS, 0.1) == ()
 
 
+@pytest.mark.slow
 def test_unpayable_batch_runs_plain_ar_with_a_stateful_drafter(tiny_model, tiny_split, ar):
   """MTP (taps, cached depths) where no tier could pay: plain AR steps (no taps, no
   drafter update), one chunk, greedy output equal to AR's."""
@@ -232,6 +240,7 @@ def test_unpayable_batch_runs_plain_ar_with_a_stateful_drafter(tiny_model, tiny_
   assert controller._plain_ar.drafter.taps == ()
 
 
+@pytest.mark.slow
 def test_tier0_to_the_end_runs_plain_ar(tiny_model, tiny_split, ar):
   """A tier-0 chunk that runs to the end of the batch with no probe due (MTP, probes every
   512 steps) takes plain AR steps: the drafter state is left as the prefill made it (no
@@ -250,6 +259,7 @@ def test_tier0_to_the_end_runs_plain_ar(tiny_model, tiny_split, ar):
   jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.drafter_state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('per_node,expect_trees', [(0.0, True), (10.0, False)])
 def test_node_budgets_are_chosen_from_costs_and_stay_lossless(tiny_split, ar, per_node,
                                                               expect_trees):
@@ -273,6 +283,7 @@ def test_node_budgets_are_chosen_from_costs_and_stay_lossless(tiny_split, ar, pe
     assert used == {0}, used
 
 
+@pytest.mark.slow
 def test_profiling_fills_the_cost_table_and_round_trips(tiny_split, tmp_path):
   cfg = ControllerConfig(tiers=(0, 1), profile_steps=2, profile_repeats=1)
   controller = VerifyLengthController(tiny_split[0], NGRAM, config=cfg)
@@ -314,6 +325,7 @@ def test_acceptance_estimate_and_expected_tokens():
       (1 - (2 / 6) ** 2) * 3.0 + (2 / 6) ** 2 * 1.1)
 
 
+@pytest.mark.slow
 def test_ngram_is_judged_in_retrospect(tiny_split, ar):
   """After a chunk the n-gram drafter's proposals at every committed length are
   recomputed and walked as a verifying tier would have (here by hand: no match at length
@@ -348,6 +360,7 @@ def test_ngram_is_judged_in_retrospect(tiny_split, ar):
   assert generated_ids(state) == ar[0]
 
 
+@pytest.mark.slow
 def test_ngram_tier0_chunks_run_past_the_decision_cap(tiny_split):
   """Judged in retrospect, n-gram's tier-0 chunks run 4 × `chunk_seconds` of AR steps, up
   to 4 × `max_steps_per_decision` (the judge covers the chunk's last lengths): without a
@@ -372,6 +385,8 @@ def test_tiers_resize_or_truncate():
     ControllerConfig(objective='fast')
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_controller_on_a_mesh_equals_ar():
   """`verify_length=auto` with a `data=2,tensor=2` placement (4 simulated CPU devices, in a
   subprocess: `controller_mesh_check.py`): the decode job is lossless against AR, and on a
@@ -389,6 +404,7 @@ def test_controller_on_a_mesh_equals_ar():
   assert any(int(g) > 0 for g in result['cheap_tier_steps']), result
 
 
+@pytest.mark.slow
 def test_profiled_costs_are_cached_beside_the_xla_cache(tiny_split, ar, tmp_path,
                                                         monkeypatch):
   """A second controller for the same model, drafter, shapes and device loads the table

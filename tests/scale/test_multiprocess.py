@@ -69,6 +69,8 @@ def single_and_multi(tmp_path_factory):
     return json.load(f1), json.load(f2), multi
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes_decode_as_one(single_and_multi):
   one, two, _ = single_and_multi
   assert one['processes'] == 1 and two['processes'] == 2
@@ -78,6 +80,8 @@ def test_two_processes_decode_as_one(single_and_multi):
     assert two['runs'][run]['ids'] == one['runs'][same]['ids'], run
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_process_takes_the_same_decisions(single_and_multi):
   _, two, _ = single_and_multi
   for run in RUNS.split(','):
@@ -86,16 +90,44 @@ def test_every_process_takes_the_same_decisions(single_and_multi):
   assert two['runs']['mtp:auto:0']['tier_steps']   # the controller ran and recorded tiers
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_only_process_0_prints(single_and_multi):
   _, _, multi = single_and_multi
   lines = [l for l in multi.stdout.splitlines() if 'tau=' in l]
   assert lines and all(l.startswith('[p0] ') for l in lines), multi.stdout[-2000:]
 
 
+def test_bad_flags_and_an_unusable_coordinator_are_one_line_each():
+  """The quick check's part of the failure modes, in this process: the checks a process
+  runs on its flags and its coordinator before it joins (each one line, naming the flag)."""
+  from dspec import distributed   # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(REPO, 'scripts'))
+  from launch_local import free_port   # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match='host:port'):
+    distributed.check_arguments('127.0.0.1', 2, 0)
+  with pytest.raises(ValueError, match='also needs --process_id'):
+    distributed.check_arguments(f'127.0.0.1:{free_port()}', 2, None)
+  with pytest.raises(ValueError, match=r'--process_id must be in \[0, 1\]'):
+    distributed.check_arguments(f'127.0.0.1:{free_port()}', 2, 2)
+  nobody = f'127.0.0.1:{free_port()}'
+  with pytest.raises(ValueError, match='cannot reach the coordinator') as e:
+    distributed.wait_for_coordinator(nobody, timeout_s=0.3)
+  assert '\n' not in str(e.value)
+  with socket.socket() as other_server:
+    other_server.bind(('127.0.0.1', 0))
+    other_server.listen()
+    with pytest.raises(ValueError, match='is in use') as e:
+      distributed.check_port_free(f'127.0.0.1:{other_server.getsockname()[1]}')
+  assert '\n' not in str(e.value)
+
+
 def _error_lines(stderr):
   return [l for l in stderr.splitlines() if 'error:' in l]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_failure_modes_are_one_line_each():
   sys.path.insert(0, os.path.join(REPO, 'scripts'))
   from launch_local import free_port   # pylint: disable=import-outside-toplevel
@@ -153,6 +185,8 @@ def test_failure_modes_are_one_line_each():
   assert proc.returncode != 0 and '--process_id' in proc.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_dead_peer_ends_the_run_in_one_line(tmp_path):
   """Process 1 is killed (-9) once the first of three runs is done, while both decode the
   second; process 0 ends with one error line, well before the runtime's heartbeat

@@ -71,6 +71,8 @@ def single_and_multi(data, tmp_path_factory):
   return tmp / 'one', tmp / 'two', multi
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes_train_as_one(single_and_multi):
   one, two, _ = single_and_multi
   losses_one, losses_two = _losses(one), _losses(two)
@@ -82,12 +84,30 @@ def test_two_processes_train_as_one(single_and_multi):
       [STEPS - CKPT_EVERY, STEPS]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_only_process_0_logs(single_and_multi):
   _, _, multi = single_and_multi
   steps = [l for l in multi.stdout.splitlines() if '"loss"' in l]
   assert len(steps) == STEPS and all(l.startswith('[p0] ') for l in steps)
 
 
+def test_a_dead_peer_is_one_line_saying_to_restart(monkeypatch):
+  """The quick check's part of the killed-process test, in this process: the one line a
+  process ends with when a collective fails because its peer died."""
+  from dspec import distributed   # pylint: disable=import-outside-toplevel
+  error = RuntimeError('Gloo allreduce failed: Connection closed by peer [127.0.0.1]:4321\n'
+                       '  (native stack follows)')
+  assert distributed.peer_failure(error) is None   # one process has no peers
+  monkeypatch.setattr(distributed, 'active', lambda: True)
+  line = distributed.peer_failure(error)
+  assert line.startswith('another process of this run failed or was stopped') and '\n' not in line
+  assert 'Connection closed by peer' in line and 'resumes from its last checkpoint' in line
+  assert distributed.peer_failure(ValueError('shapes (4,) and (8,) differ')) is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_killed_process_resumes_from_the_shared_checkpoint(data, single_and_multi,
                                                              tmp_path):
   """Process 1 is killed -9 after step CKPT_EVERY + 2; process 0 stops with one error
@@ -136,6 +156,8 @@ def test_a_killed_process_resumes_from_the_shared_checkpoint(data, single_and_mu
   np.testing.assert_allclose([losses[s] for s in want], list(want.values()), rtol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes_distill_as_one(tmp_path):
   """Each of 2 processes writes its round-robin share of the shards; process 0's manifest
   then lists them all: files byte-identical to one process's."""

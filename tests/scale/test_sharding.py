@@ -50,6 +50,8 @@ def mesh_results():
   return result
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('name', DRAFTERS)
 def test_tokens_identical_on_every_mesh(mesh_results, name):
   if name in mesh_results['skipped']:
@@ -61,6 +63,8 @@ def test_tokens_identical_on_every_mesh(mesh_results, name):
   assert runs['1'] == mesh_results['decode']['ar']['1'], f'{name} is not lossless'
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['ngram_tree', 'mtp_tree'])
 def test_token_trees_on_a_mesh_give_ar_tokens(mesh_results, name):
   """verify_length=tree (n-gram tries, the MTP heads' EAGLE-2 trees) on data=2,tensor=4:
@@ -70,10 +74,14 @@ def test_token_trees_on_a_mesh_give_ar_tokens(mesh_results, name):
   assert runs['data=2,tensor=4'] == runs['1'] == mesh_results['decode']['ar']['1']
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_params_created_sharded_equal_one_device(mesh_results):
   assert all(mesh_results['created_sharded_equal'].values())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_state_sharding_batch_on_data_kv_heads_on_tensor(mesh_results):
   specs = mesh_results['state_specs']
   assert specs['cache/k_LBSKD'] == [None, 'data', None, 'tensor']
@@ -81,6 +89,8 @@ def test_state_sharding_batch_on_data_kv_heads_on_tensor(mesh_results):
   assert specs['tokens_BL'] == ['data'] and specs['step'] == []
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize('task', ('target', 'mtp', 'dflash'))
 def test_sharded_train_step_gives_the_same_loss(mesh_results, task):
   if task in mesh_results['train_skipped']:
@@ -91,6 +101,8 @@ def test_sharded_train_step_gives_the_same_loss(mesh_results, task):
     assert loss == pytest.approx(losses['1'], rel=1e-5), mesh
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_param_sharding_matches_golden(mesh_results):
   with open(GOLDEN) as f:
     golden = json.load(f)
@@ -98,6 +110,8 @@ def test_param_sharding_matches_golden(mesh_results):
   assert mesh_results['param_specs'] == golden['param_specs']
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_mesh_that_does_not_fit_gets_a_clear_error(mesh_results):
   errors = mesh_results['errors']
   assert 'num_heads=4' in errors['heads'] and 'tensor=8' in errors['heads']
@@ -107,11 +121,15 @@ def test_mesh_that_does_not_fit_gets_a_clear_error(mesh_results):
   assert mesh_results['kv_rule_tensor8'] is None   # 4 kv heads on tensor=8: replicated
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_pallas_kernel_is_shard_mapped_and_exact(mesh_results):
   assert mesh_results['kernel']['shard_map']
   assert mesh_results['kernel']['max_abs_diff'] < 1e-6
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_decode_runner_on_a_mesh_is_lossless(mesh_results):
   assert mesh_results['runner']['lossless'] is True
   assert len(mesh_results['runner']['output_ids']) == 8

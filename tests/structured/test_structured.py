@@ -130,6 +130,7 @@ def _check_matches(text: str, kind_source) -> None:
     assert isinstance(value['age'], int) and 0 <= value['age'] <= 999, text
 
 
+@pytest.mark.slow
 def test_constrained_ar_is_the_masked_argmax_and_matches(demo_target, reference):
   """The reference itself: every constrained row completes its match within the budget
   and each of its tokens is the argmax of the target's logits over the tokens llguidance
@@ -159,6 +160,7 @@ def test_constrained_ar_is_the_masked_argmax_and_matches(demo_target, reference)
   assert len(reference.ids[2]) == MAX_NEW   # the unconstrained row runs to the budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(DRAFTERS))
 def test_every_drafter_equals_constrained_ar(demo_target, demo_drafter, reference, name):
   out = dspec.generate(demo_target, PROMPTS, demo_drafter(name), max_new_tokens=MAX_NEW,
@@ -175,6 +177,7 @@ def test_every_drafter_equals_constrained_ar(demo_target, demo_drafter, referenc
 TREE_DRAFTERS = ['ngram', 'mtp', 'eagle3', 'dflash', 'dflash2', 'dspark']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', TREE_DRAFTERS)
 def test_every_tree_drafter_equals_constrained_ar(demo_target, demo_drafter, reference,
                                                   name):
@@ -189,6 +192,7 @@ def test_every_tree_drafter_equals_constrained_ar(demo_target, demo_drafter, ref
     assert out.metrics['nodes_verified_per_step'] > 1.0
 
 
+@pytest.mark.slow
 def test_forced_drafts_off_fixed_verify_and_a_short_budget(demo_target, demo_drafter,
                                                            reference):
   """forced_drafts=False and verify_length fixed give the same tokens; a budget too small
@@ -457,6 +461,7 @@ def _pvalues(samples: list, joint: dict) -> dict:
 CHI_CASES = [('outside', 0.7, 0.9), ('stochastic', 1.0, 1.0), ('stochastic', 0.7, 0.9)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.9)])
 def test_sampled_joint_of_adversarial_trees_equals_the_constrained_target(small, temperature,
                                                                           top_p):
@@ -477,6 +482,7 @@ def test_sampled_joint_of_adversarial_trees_equals_the_constrained_target(small,
     assert (tau > 1.1) if group == 'mixed' else (tau == 1.0)   # mixed: paths accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('forced', [True, False], ids=['forced', 'unforced'])
 @pytest.mark.parametrize('name,temperature,top_p', CHI_CASES)
 def test_sampled_joint_equals_the_constrained_target(small, name, temperature, top_p,
@@ -513,6 +519,7 @@ def _packed(allowed_NV) -> np.ndarray:
   return words.view(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('temperature,top_p', [(1.0, 1.0), (0.7, 0.9)])
 def test_forced_draft_laws_are_exact_where_the_forced_token_has_rivals(temperature, top_p):
   """The law `_constrained_q` gives the verifier, where llguidance never puts it to the
@@ -619,6 +626,8 @@ def _decode_cli(*args):
   return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cli_regex_output_matches():
   rc, stdout, stderr = _decode_cli(f'--regex={YES_NO}', '--config.max_new_tokens=16',
                                    '--config.timing_repeats=0')
@@ -631,6 +640,7 @@ def test_cli_regex_output_matches():
   assert 'method=grammar' in metrics[0] and 'constraint_complete=[True]' in metrics[0], metrics
 
 
+@pytest.mark.multiprocess
 def test_cli_bad_regex_is_one_error_line():
   rc, _, stderr = _decode_cli('--regex=[0-9', '--config.max_new_tokens=16')
   assert rc == 1 and 'Traceback' not in stderr

@@ -24,6 +24,7 @@ def tiny_cfg():
   return distill_demo.get_config('tiny')   # data_dir: the repo's data/
 
 
+@pytest.mark.slow
 def test_distill_resumes_and_masks_target_tokens(tiny_cfg, tmp_path):
   out = str(tmp_path / 'd')
   first = distill.distill(tiny_cfg, out)
@@ -55,6 +56,7 @@ def test_distill_resumes_and_masks_target_tokens(tiny_cfg, tmp_path):
   np.testing.assert_array_equal(again['tokens'], data['tokens'])
 
 
+@pytest.mark.slow
 def test_distill_refuses_a_dataset_made_with_other_settings(tiny_cfg, tmp_path):
   out = str(tmp_path / 'd')
   distill.distill(tiny_cfg, out)
@@ -70,6 +72,8 @@ def test_load_distilled_missing_dir_is_clear(tmp_path):
     distill.load_distilled(str(tmp_path / 'nope'))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_token_map_script_ranks_written_tokens(tiny_cfg, tmp_path):
   """scripts/token_map.py writes the ids a reduced draft head would train on, and keeps an
   existing file."""

@@ -123,6 +123,7 @@ def _agreement(target, tokenizer, drafter):
   return same, total, decode_committed / max(total, 1), table, end_same, end_total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['dflash', 'dflash2', 'dspark'])
 def test_teacher_forced_walk_equals_decode(demo_target, name, monkeypatch):
   """At every step a T = 0 decode ran with a whole block inside its budget, the
@@ -163,6 +164,8 @@ def _eval_drafter(*args):
                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_eval_drafter_cli_writes_the_table_and_refuses_bad_input(tmp_path):
   """The script evaluates the held-out rows of a distilled set and writes its JSON; a
   missing drafter, a non-dspec --out or a wrong --kind is one error line."""

@@ -21,6 +21,7 @@ def test_variant_config_applies_overrides_and_rejects_unknown_keys():
     sweep.variant_config(base, (('mpt.kind', 'x'),))
 
 
+@pytest.mark.slow
 def test_tiny_mtp_sweep_trains_each_variant_and_writes_the_table(tmp_path):
   dcfg = distill_demo.get_config('tiny')
   data_dir = str(tmp_path / 'distilled')

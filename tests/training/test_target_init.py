@@ -12,6 +12,7 @@ from dspec.models.config import TransformerConfig
 from dspec.models.transformer import Transformer
 from dspec.training import target_lm
 
+@pytest.mark.slow
 def test_init_from_loads_the_saved_target_and_checks_its_shape(tmp_path):
   cfg = demo_target.get_config('quick')
   shape = TransformerConfig(**cfg.model.shape)
