@@ -33,6 +33,7 @@ from dspec import loading
 from dspec.decoding import runner
 from dspec.decoding.drafters import registry
 from dspec.decoding.prompts import bucket_shapes
+from dspec.errors import CheckpointError, DspecError
 
 Target = runner.Target
 INT32_MAX = 2 ** 31 - 1
@@ -189,10 +190,15 @@ def load_target(path: str, *, tokenizer_dir: str = '', max_seq_len: int = 4096,
   tokenizer_dir = _path('tokenizer_dir', tokenizer_dir, optional=True)
   max_seq_len = _int('max_seq_len', max_seq_len, 2)
   widen_mlp = _int('widen_mlp', widen_mlp, 1)
-  model_cfg = ml_collections.ConfigDict({
-      'source': loading.target_source(path), 'path': path, 'tokenizer_dir': tokenizer_dir,
-      'seed': 0, 'max_seq_len': max_seq_len, 'shape': {}, 'widen_mlp': widen_mlp})
-  model, tokenizer, max_seq_len = loading.build_target(model_cfg)
+  try:
+    model_cfg = ml_collections.ConfigDict({
+        'source': loading.target_source(path), 'path': path, 'tokenizer_dir': tokenizer_dir,
+        'seed': 0, 'max_seq_len': max_seq_len, 'shape': {}, 'widen_mlp': widen_mlp})
+    model, tokenizer, max_seq_len = loading.build_target(model_cfg)
+  except ValueError as e:   # the arguments are checked: the path holds no readable target
+    if isinstance(e, DspecError):
+      raise
+    raise CheckpointError(str(e)) from e
   return Target(model, tokenizer, max_seq_len)
 
 
@@ -260,6 +266,8 @@ def generate(target: Target, prompts: Sequence, drafter: Optional[Drafter] = Non
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f'drafter must come from dspec.load_drafter (or be None), got '
                      f'{type(drafter).__name__}')
+  if drafter is not None:   # one loaded for another target: refused naming both shapes
+    drafter.drafter.check_target(target.model.cfg)
   runner.check_verify_length(verify_length)
   settings = runner.Settings(
       max_new_tokens=_int('max_new_tokens', max_new_tokens, 1, INT32_MAX // 2),

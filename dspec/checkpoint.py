@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from typing import Any, Optional
@@ -386,19 +387,51 @@ class _WriteFailureLogFilter(logging.Filter):
     return exc is None or files.io_error_code(exc) is None
 
 
+def _mute_closed_loop_callbacks():
+  """Installs (and returns the previous) sys.unraisablehook minus RuntimeError('Event loop
+  is closed'): when a save fails, orbax closes its event loop while tensorstore writes are
+  still in flight, and each one's completion callback raises that into the hook (a raw
+  traceback around the error line); the save already failed with one error naming the
+  checkpoint."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  return previous
+
+
 def _save_fresh(path: str, args) -> None:
   """Orbax's save into the new directory `path`; when it fails its temporary sibling is
   removed, so no partial checkpoint is left."""
   mute = _WriteFailureLogFilter()
   logging.getLogger('absl').addFilter(mute)
+  previous_hook = _mute_closed_loop_callbacks()
   try:
     _checkpointer().save(_as_path(path), args=args)
+    sys.unraisablehook = previous_hook   # after a failure, muted: writes may still end
   except BaseException:
-    for leftover in epath.Path(path).parent.glob(f'{os.path.basename(path)}{_TMP_MARKER}*'):
-      leftover.rmtree()
+    _remove_leftovers(path)
     raise
   finally:
     logging.getLogger('absl').removeFilter(mute)
+
+
+def _remove_leftovers(path: str, settle_s: float = 0.5, most_s: float = 10.0) -> None:
+  """Removes the temporary siblings of a failed save into `path`. Orbax returns at the
+  first failed write while others are still in flight, and those can create files there
+  after a first removal: removed again until none has appeared for `settle_s` (at most
+  `most_s`)."""
+  parent, pattern = epath.Path(path).parent, f'{os.path.basename(path)}{_TMP_MARKER}*'
+  start = quiet = time.monotonic()
+  while time.monotonic() - quiet < settle_s and time.monotonic() - start < most_s:
+    for leftover in parent.glob(pattern):
+      quiet = time.monotonic()
+      shutil.rmtree(leftover, ignore_errors=True)
+    time.sleep(0.05)
 
 
 def _scrub_commit_markers(path) -> None:

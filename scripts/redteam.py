@@ -1,4 +1,4 @@
-"""Red-team sweep (issues 15, 39): ~400 bad or edge inputs to every entry point, one subprocess each.
+"""Red-team sweep (issues 15, 39, round 4): ~600 bad or edge inputs to every entry point, one subprocess each.
 
   python scripts/redteam.py [--only=SUBSTRING] [--json=PATH] [--table=PATH] [--keep]
 
@@ -9,11 +9,27 @@ dspec's own files, symlinks, one path per output, outputs inside inputs, folders
 emptied, file modes), `api_args` (every public API argument: types, ranges, no coercion),
 `config` (unknown fields nested or not, configs for another script), `context` (draft
 length + max_new_tokens + prompt against the context, before compiling), `named` (damaged
-files named in the error) and `locks` (stale locks and manifests, leftovers). Every case
-runs in its own scratch directory, and is classified:
+files named in the error) and `locks` (stale locks and manifests, leftovers); and the
+reliability issue's round-4 classes, one group each: `multiprocess` (flags and joins that
+cannot complete end in one line within --distributed_timeout; launch_local.py refuses
+unbounded waits and leaves no process behind however it ends; two processes decode
+losslessly), `knobs` (every controller and tree knob ranged, drafter settings a tree mode
+ignores refused by name, all before loading), `ckpt_values` (NaN, infinite or out-of-range
+numbers in a drafter's config.json, a checkpoint's metadata or an HF config refused naming
+file and field), `foreign_drafter` (a drafter built for another target refused naming both,
+by load_drafter and generate; other weights of the same shapes: a warning, lossless),
+`outputs_in_inputs` (every script's outputs inside any of its inputs, --force or not),
+`force_replace` (--force replaces another drafter whole, a folder of two models refused on
+load), `disk` (a full disk, a file-size limit, a read-only mount, an immutable or
+unwritable folder: one line naming the output, the previous one intact; needs root, as the
+container runs it), `api_errors` (the `dspec.errors` class each API failure raises),
+`structured` (bad or unsatisfiable --json_schema / --regex / --grammar, modes that cannot
+take one; constrained output with a drafter equals constrained AR) and `lossless_modes`
+(tree and auto_tree give AR's output with every tree drafter). Every case runs in its own
+scratch directory, and is classified:
 
   ok              an edge input that should work did, and its output checks passed
-  clean error     exit 1, exactly one `error:` line, no traceback
+  clean error     exit 1 (launch_local.py: 2), exactly one `error:` line, no traceback
   traceback       a raw traceback, a crash, or a failure without one `error:` line
   hang            no exit within the case's timeout
   silently wrong  exit 0 where an error was due (unless the case documents a warning and
@@ -23,10 +39,10 @@ runs in its own scratch directory, and is classified:
 
 Prints a line per case and the counts; exits 1 unless tracebacks, hangs, silently wrong
 and data loss are all 0. `--table=PATH` writes the counts per group as a markdown table
-(docs/results/redteam/results.md). Takes about 45 minutes on 2 CPU cores (JAX start-up
-dominates). Never touches anything outside its scratch directory (`--out=` style paths run
-with the scratch directory as the working directory; root and home are never given as
-outputs).
+(docs/results/redteam/results.md). Takes about 75 minutes on 2 CPU cores (JAX start-up
+dominates; round 4's groups about 30 of them). Never touches anything outside its scratch
+directory (`--out=` style paths run with the scratch directory as the working directory;
+root and home are never given as outputs).
 """
 
 from __future__ import annotations
@@ -37,8 +53,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import resource
 import shutil
+import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -69,6 +88,7 @@ class Case:
   cwd: str = 'repo'               # repo | sb
   timeout: int = 600
   memory_gb: int = 8              # address-space cap, so that no case can exhaust the host
+  status: int = 1                 # the exit status of a clean error (launch_local.py: 2)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -178,6 +198,7 @@ def _hold_lock(rel, what):
 
 
 _HOLDERS: dict = {}
+_CLEANUPS: dict = {}   # sb -> what to undo after the case, however it ended
 
 
 def _release(sb, fx, proc):
@@ -185,6 +206,8 @@ def _release(sb, fx, proc):
   if holder is not None:
     holder.kill()
     holder.wait()
+  for undo in _CLEANUPS.pop(sb, []):
+    undo()
   return None
 
 
@@ -1612,10 +1635,1023 @@ def lock_cases() -> list:
   ]
 
 
+# ------------------------------------------------- round 4: the reliability issue's classes
+# One group per class: multi-process runs, knob ranges, numbers stored in checkpoints,
+# drafters of another target, outputs inside inputs, --force onto another model, failed
+# writes, the API's error hierarchy, structured output and the lossless modes (trees).
+
+_EXEC = 'import os, sys\nos.execvp(sys.argv[1], sys.argv[1:])'
+
+
+def _program(*argv) -> list:
+  """The argv of a case running another program (exec'd from Python, which starts every
+  case)."""
+  return [PY, '-c', _EXEC, *argv]
+
+
+_WITH_PORT = ('import os, sys\nport = open(sys.argv[1]).read().strip()\n'
+              "argv = [a.replace('<port>', port) for a in sys.argv[2:]]\n"
+              'os.execv(sys.executable, [sys.executable] + argv)')
+
+
+def _with_port(*argv) -> list:
+  """argv with `<port>` replaced by the port the case's setup wrote to sb/port."""
+  return [PY, '-c', _WITH_PORT, '{sb}/port', *argv]
+
+
+def _free_port(sb, fx):
+  """setup: a port nobody listens on, in sb/port."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    _write(os.path.join(sb, 'port'), str(s.getsockname()[1]))
+
+
+_PORT_HOLDER = '''
+import socket, time
+server = socket.socket()
+server.bind(('127.0.0.1', 0))
+server.listen()
+print(server.getsockname()[1], flush=True)
+time.sleep(600)'''
+
+
+def _hold_port(sb, fx):
+  """setup: another program (no coordinator) listening on sb/port; killed after the case."""
+  holder = subprocess.Popen([PY, '-c', _PORT_HOLDER], stdout=subprocess.PIPE, text=True)
+  _HOLDERS[sb] = holder
+  _write(os.path.join(sb, 'port'), holder.stdout.readline().strip())
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie, dead and not yet reaped, does not)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rpartition(')')[2].split()[0] != 'Z'
+  except (OSError, IndexError):
+    return False
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+  deadline = time.monotonic() + within
+  while _alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
+_LAUNCH_CHILD = '''import os, sys, time
+print(os.getpid(), flush=True)
+if 'chatty' in sys.argv:
+  for _ in range(4000):
+    print('x' * 100, flush=True)
+  sys.exit(0)
+if 'fail' in sys.argv and '--process_id=1' in sys.argv:
+  time.sleep(1)
+  sys.exit(3)
+time.sleep(120)
+'''
+
+# How launch_local.py ends (argv[1]: a signal sent to it, 'timeout', 'fail' (process 1
+# exits 3) or 'chatty' (its stdout a closed pipe)); prints {status, seconds, children} for
+# `_launch_ended`.
+_LAUNCH_PROBE = '''
+import json, os, signal, subprocess, sys, time
+how, sb = sys.argv[1], sys.argv[2]
+child = [os.path.join(sb, 'child.py')] + ([how] if how in ('chatty', 'fail') else [])
+argv = [sys.executable, %r, '-n', '2', '--grace=1',
+        '--timeout=%%d' %% (3 if how == 'timeout' else 60), '--', *child]
+t0 = time.monotonic()
+if how == 'chatty':   # a reader that went away: the launcher's stdout is a closed pipe
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  launcher = subprocess.Popen(argv, stdout=write_end, stderr=subprocess.DEVNULL)
+  os.close(write_end)
+  pids = []
+else:
+  launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+  pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+  if how.startswith('SIG'):
+    launcher.send_signal(getattr(signal, how))
+try:
+  status = launcher.wait(timeout=60)
+except subprocess.TimeoutExpired:
+  launcher.kill()
+  status = 'no exit within 60 s'
+print(json.dumps({'status': status, 'seconds': time.monotonic() - t0, 'children': pids}))
+''' % os.path.join(REPO, 'scripts', 'launch_local.py')
+
+
+def _launch_ended(status, within):
+  """check: the probe's launcher ended with `status` within `within` s, and none of the
+  processes it started outlived it (any that did is killed here)."""
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    try:
+      report = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+      return f'wrong: no report from the probe ({proc.stdout[-200:]!r})'
+    left = [pid for pid in report['children'] if not _gone(pid)]
+    for pid in left:
+      os.kill(pid, signal.SIGKILL)
+    if left:
+      return f'wrong: processes {left} outlived the launcher'
+    if report['status'] != status:
+      return f'wrong: the launcher ended with {report["status"]}, expected {status}'
+    if report['seconds'] > within:
+      return f'wrong: the launcher took {report["seconds"]:.0f} s (bound: {within} s)'
+    return None
+  return check
+
+
+def _lossless(rel='m.json', **expected):
+  """check: the metrics JSON says the output equals AR's (`lossless` true), with tokens,
+  and holds `expected` (e.g. verify_length='tree')."""
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    try:
+      report = _strict_json(os.path.join(sb, rel))
+    except (OSError, ValueError) as e:
+      return f'wrong: {rel}: {e}'
+    if not report.get('new_tokens') or not report.get('output_ids'):
+      return 'wrong: no tokens generated'
+    if report.get('lossless') is not True:
+      return f'wrong: lossless is {report.get("lossless")!r}, not true'
+    for key, value in expected.items():
+      if report.get(key) != value:
+        return f'wrong: {key} is {report.get(key)!r}, expected {value!r}'
+    return None
+  return check
+
+
+def multiprocess_cases() -> list:
+  """Multi-process runs end in bounded time, in one line: flags checked before anything
+  starts, joins that cannot complete (nobody at the coordinator, process 0 alone, a port
+  or address another program holds) end at --distributed_timeout with status 1;
+  launch_local.py refuses unbounded waits and, however it ends, leaves no process behind."""
+  decode = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=4',
+            '--config.timing_repeats=0', '--quiet', '--compilation_cache_dir=']
+  two = ['--num_processes=2']
+  launch = ['scripts/launch_local.py', '-n', '2']
+
+  def m(name, *args, message):
+    return Case(name, 'multiprocess', decode + list(args), 'error', message)
+
+  def join(name, process_id, message, setup=_free_port):
+    """Process `process_id` of 2 at 127.0.0.1:<port>, a 4 s join timeout."""
+    return Case(name, 'multiprocess', _with_port(
+        *decode, '--coordinator=127.0.0.1:<port>', *two, f'--process_id={process_id}',
+        '--distributed_timeout=4'), 'error', message, setup=setup, timeout=120)
+
+  def flag(name, *args, message):
+    return Case(name, 'multiprocess', launch + list(args), 'error', message, status=2,
+                timeout=60)
+
+  def probe(name, how, status, within=40):
+    return Case(name, 'multiprocess', [PY, '-c', _LAUNCH_PROBE, how, '{sb}'], 'ok',
+                setup=lambda sb, fx: _write(os.path.join(sb, 'child.py'), _LAUNCH_CHILD),
+                check=_launch_ended(status, within), timeout=120)
+
+  def only_process_0_prints(sb, fx, proc):
+    lines = [line for line in proc.stdout.splitlines() if 'metrics: ' in line]
+    if not lines or not all(line.startswith('[p0] ') for line in lines):
+      return f'wrong: metrics lines {lines!r} (expected one, from process 0 only)'
+    return None
+
+  peer = ['--coordinator=127.0.0.1:9', *two, '--process_id=1']
+  return [
+      m('timeout_inf', *peer, '--distributed_timeout=inf', message='--distributed_timeout'),
+      m('timeout_zero', *peer, '--distributed_timeout=0', message='--distributed_timeout'),
+      m('timeout_negative', *peer, '--distributed_timeout=-5',
+        message='--distributed_timeout'),
+      m('timeout_24_days_plus', *peer, '--distributed_timeout=1e12',
+        message='--distributed_timeout'),
+      m('timeout_text', *peer, '--distributed_timeout=soon', message='distributed_timeout'),
+      m('coordinator_without_port', '--coordinator=127.0.0.1', *two, '--process_id=0',
+        message='host:port'),
+      m('coordinator_port_zero', '--coordinator=127.0.0.1:0', *two, '--process_id=0',
+        message='host:port'),
+      m('coordinator_port_above_65535', '--coordinator=127.0.0.1:70000', *two,
+        '--process_id=0', message='host:port'),
+      m('coordinator_without_host', '--coordinator=:1234', *two, '--process_id=0',
+        message='host:port'),
+      m('process_id_missing', '--coordinator=127.0.0.1:9', *two, message='--process_id'),
+      m('process_id_alone', '--process_id=0', message='--coordinator'),
+      m('process_id_out_of_range', '--coordinator=127.0.0.1:9', *two, '--process_id=2',
+        message='--process_id'),
+      m('process_id_negative', '--coordinator=127.0.0.1:9', *two, '--process_id=-1',
+        message='--process_id'),
+      m('num_processes_zero', '--coordinator=127.0.0.1:9', '--num_processes=0',
+        '--process_id=0', message='--num_processes'),
+      join('nobody_at_the_coordinator', 1, 'cannot reach the coordinator'),
+      join('process_0_alone', 0, 'not every process joined'),
+      join('port_held_by_another_server', 0, 'is in use', setup=_hold_port),
+      join('address_held_by_another_server', 1, 'not every process joined',
+           setup=_hold_port),
+      Case('launch_two_processes_lossless', 'multiprocess', launch + [
+          '--devices_per_process=1', '--timeout=400', '--grace=2', '--', *decode,
+          '--config.drafter=ngram', '--config.compare_ar=True', '--distributed_timeout=60',
+          '--metrics_json={sb}/m.json'], 'ok',
+           check=_all(_lossless(), only_process_0_prints), timeout=480),
+      flag('launch_timeout_nan', '--timeout=nan', '--', 'scripts/decode.py',
+           message='--timeout must be a finite number'),
+      flag('launch_timeout_inf', '--timeout=inf', '--', 'scripts/decode.py',
+           message='--timeout must be a finite number'),
+      flag('launch_timeout_zero', '--timeout=0', '--', 'scripts/decode.py',
+           message='--timeout must be a finite number'),
+      flag('launch_grace_nan', '--grace=nan', '--', 'scripts/decode.py',
+           message='--grace must be a finite number'),
+      flag('launch_grace_inf', '--grace=inf', '--', 'scripts/decode.py',
+           message='--grace must be a finite number'),
+      flag('launch_grace_negative', '--grace=-1', '--', 'scripts/decode.py',
+           message='--grace must be a finite number'),
+      flag('launch_zero_processes', '-n', '0', '--', 'scripts/decode.py', message='-n'),
+      flag('launch_no_command', message='give the script'),
+      flag('launch_not_a_script', '--', 'README.md', message='not a Python script'),
+      probe('launch_sighup_leaves_no_process', 'SIGHUP', 128 + signal.SIGHUP),
+      probe('launch_sigterm_leaves_no_process', 'SIGTERM', 128 + signal.SIGTERM),
+      probe('launch_sigint_leaves_no_process', 'SIGINT', 128 + signal.SIGINT),
+      probe('launch_sigkill_leaves_no_process', 'SIGKILL', -signal.SIGKILL),
+      probe('launch_timeout_stops_every_process', 'timeout', 124),
+      probe('launch_failed_process_stops_the_other', 'fail', 3),
+      probe('launch_closed_stdout_drains', 'chatty', 0),
+  ]
+
+
+def knob_cases() -> list:
+  """Every controller and tree knob in its range, and drafter settings a tree mode ignores
+  refused by name; all checked before anything loads (the target path does not exist, so
+  an error about it means a knob was checked late or not at all)."""
+  base = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=4',
+          '--config.timing_repeats=0', '--quiet', '--config.model.source=checkpoint',
+          '--config.model.path=/nonexistent/target']
+
+  def k(name, *args, message):
+    return Case(name, 'knobs', base + list(args), 'error', message)
+
+  def c(knob, value, message=None, *more):
+    name = f'controller_{knob}_{value}'.replace('-', 'neg').replace('.', '_')
+    return k(name, f'--config.controller.{knob}={value}', *more,
+             message=message or f'controller.{knob}')
+
+  def t(name, *args, message):
+    return k(f'tree_{name}', '--config.drafter=ngram', '--config.verify_length=tree', *args,
+             message=message)
+
+  dflash = ['--config.drafter=dflash', '--config.drafters.dflash.path=/nonexistent/dflash']
+  dspark = ['--config.drafter=dspark', '--config.drafters.dspark.path=/nonexistent/dspark']
+  return [
+      c('chunk_seconds', '0'), c('chunk_seconds', 'inf'), c('chunk_seconds', '-1'),
+      c('margin', 'nan'), c('prior_weight', '0'), c('prior_weight', '-1'),
+      c('prior', '0'), c('prior', '1.5'), c('ema', 'nan'), c('probe_every', '0'),
+      c('max_probe_every', '-1'), c('host_walk_tail', '-1'), c('profile_steps', '-1'),
+      c('profile_repeats', '-1'), c('steps_per_decision', '0'), c('host_patience', '0'),
+      c('shadow_budget', 'nan'), c('objective', 'fast'),
+      c('probe_every', '64', 'controller.probe_every=64 must be <= '
+        'controller.max_probe_every=32', '--config.controller.max_probe_every=32'),
+      c('host_chunk', '8', 'controller.host_chunk=8 must be <= controller.host_max_chunk=4',
+        '--config.controller.host_max_chunk=4'),
+      t('num_nodes_one', '--config.tree.num_nodes=1', message='tree.num_nodes'),
+      t('top_k_zero', '--config.tree.top_k=0', message='tree.top_k'),
+      t('top_k_above_num_nodes', '--config.tree.num_nodes=8', '--config.tree.top_k=9',
+        message='tree.top_k=9 must be <= tree.num_nodes=8'),
+      t('top_k_int64_max', '--config.tree.top_k=9223372036854775807', message='tree.top_k'),
+      t('num_nodes_float', '--config.tree.num_nodes=2.5', message='tree.num_nodes'),
+      t('unknown_knob', '--config.tree.nodes=8', message='tree.nodes'),
+      k('auto_tree_dflash_denoise_steps', *dflash, '--config.verify_length=auto_tree',
+        '--config.drafters.dflash.denoise_steps=2', message='dflash.denoise_steps=2'),
+      k('tree_dspark_verify_cost', *dspark, '--config.verify_length=tree',
+        '--config.drafters.dspark.verify_cost=0.5', message='dspark.verify_cost=0.5'),
+      k('tree_dspark_verify_budget_and_cost', *dspark, '--config.verify_length=tree',
+        '--config.drafters.dspark.verify_budget=2', '--config.drafters.dspark.verify_cost=0.5',
+        message='drafters.dspark.verify_budget=2, drafters.dspark.verify_cost=0.5'),
+      Case('api_tree_dflash_denoise_steps', 'knobs', _api('''
+          import dspec
+          target = dspec.load_target('demo/target')
+          drafter = dspec.load_drafter('dflash', 'demo/dflash', target=target, denoise_steps=2)
+          dspec.generate(target, ['def f(x):'], drafter, max_new_tokens=4,
+                         verify_length='tree')'''), 'error', 'drafters.dflash.denoise_steps=2'),
+      Case('fixed_honours_dflash_denoise_steps', 'knobs', [
+          'scripts/decode.py', '--config=configs/demo.py:small,drafter=dflash',
+          '--config.max_new_tokens=8', '--config.timing_repeats=0', '--quiet',
+          '--config.verify_length=fixed', '--config.drafters.dflash.denoise_steps=2',
+          '--metrics_json={sb}/m.json'], 'ok', check=_lossless(verify_length='fixed')),
+  ]
+
+
+def _export_fixture(fx, kind):
+  """{fx}/export_<kind>: demo/<kind> exported in its default published form (made on first
+  use)."""
+  out = os.path.join(fx, f'export_{kind}')
+  if not os.path.isdir(out):
+    subprocess.run([PY, 'scripts/export_drafter.py', f'--path=demo/{kind}', f'--out={out}'],
+                   cwd=REPO, capture_output=True, check=True, timeout=600)
+  return out
+
+
+def _exported(kind, rel='in', edit=None):
+  """setup: demo/<kind>'s export copied to sb/rel, its config.json edited by `edit`."""
+  def setup(sb, fx):
+    _copy(_export_fixture(fx, kind), os.path.join(sb, rel))
+    if edit:
+      _edit_json(os.path.join(sb, rel, 'config.json'), edit)
+  return setup
+
+
+def _demo_copy(kind, rel='in', edit=None):
+  """setup: demo/<kind> (a dspec checkpoint) copied to sb/rel, `edit` applied to its
+  metadata's config."""
+  def setup(sb, fx):
+    _copy(os.path.join(REPO, 'demo', kind), os.path.join(sb, rel))
+    if edit:
+      _edit_json(os.path.join(sb, rel, 'metadata', 'metadata'), lambda m: edit(m['config']))
+  return setup
+
+
+def _set(path, value):
+  """An edit setting the field at `path` (keys and indices) of a JSON object."""
+  def edit(data):
+    for key in path[:-1]:
+      data = data[key]
+    data[path[-1]] = value
+  return edit
+
+
+def ckpt_value_cases() -> list:
+  """Numbers read from a model's files (a drafter's config.json, a checkpoint's metadata, a
+  Hugging Face config) are checked on load: a NaN, an infinity or an out-of-range value is
+  one error naming the file and the field, whichever entry point reads it."""
+  export = ['scripts/export_drafter.py', '--path={sb}/in', '--out={sb}/out']
+  decode = ['scripts/decode.py', '--config=configs/demo.py:small', '--config.max_new_tokens=4',
+            '--config.timing_repeats=0', '--quiet']
+
+  def v(name, argv, message, setup):
+    return Case(name, 'ckpt_values', argv, 'error', message, setup, _absent('out'))
+
+  temps = ['dspec_confidence_temperatures', 1]
+  conf = '{sb}/in/config.json: dspec_confidence_temperatures[1] must be'
+  meta = '{sb}/in: bad metadata: config.dspark.confidence_temperatures[1] must be'
+  nan_export = _exported('dspark', edit=_set(temps, math.nan))
+  nan_meta = _demo_copy('dspark', edit=_set(['dspark', 'confidence_temperatures', 1],
+                                             math.nan))
+  dspark_in = ['--config.drafter=dspark', '--config.drafters.dspark.path={sb}/in']
+  api_load = '''
+      import dspec
+      target = dspec.load_target('demo/target')
+      dspec.load_drafter('dspark', '{sb}/in', target=target)'''
+  return [
+      v('export_dspark_temperature_nan', export, conf + ' a finite number', nan_export),
+      v('export_dspark_temperature_inf', export, conf + ' a finite number',
+        _exported('dspark', edit=_set(temps, math.inf))),
+      v('export_dspark_temperature_negative', export, conf + ' in (0',
+        _exported('dspark', edit=_set(temps, -1.0))),
+      v('export_dspark_greedy_temperature_nan', export,
+        '{sb}/in/config.json: dspec_greedy_confidence_temperatures[0]',
+        _exported('dspark', edit=_set(['dspec_greedy_confidence_temperatures', 0],
+                                      math.nan))),
+      v('decode_dspark_temperature_nan', decode + dspark_in, conf + ' a finite number',
+        nan_export),
+      v('api_dspark_temperature_nan', _api(api_load), conf + ' a finite number', nan_export),
+      v('decode_dspark_checkpoint_temperature_nan', decode + dspark_in,
+        meta + ' a finite number', nan_meta),
+      v('api_dspark_checkpoint_temperature_nan', _api(api_load), meta + ' a finite number',
+        nan_meta),
+      v('export_dspark_checkpoint_temperature_inf', export, meta + ' a finite number',
+        _demo_copy('dspark', edit=_set(['dspark', 'confidence_temperatures', 1], math.inf))),
+      v('decode_dspark_checkpoint_block_size_one', decode + dspark_in,
+        'config.dspark.block_size', _demo_copy('dspark', edit=_set(['dspark', 'block_size'],
+                                                                   1))),
+      v('export_eagle3_rms_norm_eps_negative', export,
+        '{sb}/in/config.json: transformer_layer_config.rms_norm_eps',
+        _exported('eagle3', edit=_set(['transformer_layer_config', 'rms_norm_eps'], -1e-6))),
+      v('export_dflash_mask_token_negative', export,
+        '{sb}/in/config.json: dflash_config.mask_token_id',
+        _exported('dflash', edit=_set(['dflash_config', 'mask_token_id'], -1))),
+      v('decode_dflash_rope_theta_inf', decode + ['--config.drafter=dflash',
+                                                  '--config.drafters.dflash.path={sb}/in'],
+        '{sb}/in/config.json: rope_parameters.rope_theta',
+        _exported('dflash', edit=_set(['rope_parameters', 'rope_theta'], math.inf))),
+      v('api_target_embed_dim_inf', _api('''
+          import dspec
+          dspec.load_target('{sb}/in')'''), 'config.embed_dim must be a finite number',
+        lambda sb, fx: (_copy(os.path.join(fx, 'target'), os.path.join(sb, 'in')), _edit_json(
+            os.path.join(sb, 'in', 'metadata', 'metadata'),
+            lambda m: m['config'].update(embed_dim=math.inf)))),
+      v('decode_hf_initializer_range_inf', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--config.model.source=hf',
+          '--config.model.path={sb}/in', '--quiet'], '{sb}/in/config.json: initializer_range',
+        lambda sb, fx: (_copy(os.path.join(fx, 'hf'), os.path.join(sb, 'in')), _edit_json(
+            os.path.join(sb, 'in', 'config.json'), _set(['initializer_range'], math.inf)))),
+      v('api_save_nan_temperature', _api('''
+          import math
+          from flax import nnx
+          from dspec import checkpoint
+          config = {'dspark': {'block_size': 4, 'confidence_temperatures': [1.0, math.nan]}}
+          checkpoint.save_model('{sb}/out', nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                                kind='dspark', config=config)'''),
+        'confidence_temperatures[1] must be a finite number', None),
+  ]
+
+
+def foreign_drafter_cases() -> list:
+  """A drafter built for another target is refused naming both widths, whether it is
+  loaded against the target or built for one target and passed to dspec.generate with
+  another; one trained against other weights of the same shapes loads with a warning naming
+  both targets (it stays lossless)."""
+  tiny = "import dspec\ntarget = dspec.load_target('{fx}/target')\n"
+
+  def f(name, code, message='384 does not match the target width 64', expect='error',
+        check=None, **kw):
+    return Case(name, 'foreign_drafter', _api(code), expect, message, check=check, **kw)
+
+  def other_weights(sb, fx):
+    """{fx}/demo_other: a target of demo/target's shapes and tokenizer, other weights."""
+    path = os.path.join(fx, 'demo_other')
+    if not os.path.isdir(path):
+      subprocess.run(_api(f'''
+          import shutil
+          from flax import nnx
+          from dspec import checkpoint
+          from dspec.models.config import TransformerConfig
+          from dspec.models.transformer import Transformer
+          meta = checkpoint.read_model_metadata('demo/target', 'target')
+          cfg = TransformerConfig(**meta['config'])
+          checkpoint.save_model({path!r}, Transformer(cfg, rngs=nnx.Rngs(7)), kind='target',
+                                config=cfg.to_dict())
+          for name in ('tokenizer.json', 'tokenizer_config.json'):
+            shutil.copy(os.path.join('demo/target', name), {path!r})'''),
+                     cwd=REPO, capture_output=True, check=True, timeout=600)
+
+  warned = lambda sb, fx, p: None if p.returncode or 'was trained against the target' in \
+      p.stderr else 'wrong: no warning naming the target the drafter was trained against'
+  cases = [f(f'load_{kind}_for_tiny', tiny + f"dspec.load_drafter('{kind}', 'demo/{kind}', "
+             'target=target)') for kind in ('mtp', 'eagle3', 'dflash', 'dspark')]
+  cases += [f(f'generate_{kind}_of_demo_on_tiny', f'''
+      import dspec
+      demo = dspec.load_target('demo/target')
+      drafter = dspec.load_drafter('{kind}', 'demo/{kind}', target=demo)
+      tiny = dspec.load_target('{{fx}}/target')
+      dspec.generate(tiny, [[1, 2, 3]], drafter, max_new_tokens=4)''')
+            for kind in ('mtp', 'eagle3', 'dflash', 'dspark')]
+  cases += [
+      Case('decode_mtp_on_tiny', 'foreign_drafter', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--config.drafter=mtp',
+          '--config.drafters.mtp.path=demo/mtp', '--quiet'], 'error',
+           '384 does not match the target width 64'),
+      Case('decode_eagle3_on_tiny', 'foreign_drafter', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--config.drafter=eagle3',
+          '--config.drafters.eagle3.path=demo/eagle3', '--quiet'], 'error',
+           '384 does not match the target width 64'),
+      f('load_mtp_for_other_weights_warns', '''
+          import dspec
+          target = dspec.load_target('{fx}/demo_other')
+          dspec.load_drafter('mtp', 'demo/mtp', target=target)''', expect='ok',
+        setup=other_weights, check=warned),
+      Case('decode_mtp_on_other_weights_lossless', 'foreign_drafter', [
+          'scripts/decode.py', '--config=configs/demo.py:small',
+          '--config.model.path={fx}/demo_other', '--config.max_new_tokens=8',
+          '--config.timing_repeats=0', '--quiet', '--config.verify_length=fixed',
+          '--metrics_json={sb}/m.json'], 'ok',
+           setup=other_weights, check=_all(warned, _lossless())),
+  ]
+  return cases
+
+
+def _copy_of(src, rel):
+  """setup: `src` ('demo/<x>', 'data', or '{fx}/<x>') copied to sb/rel."""
+  def setup(sb, fx):
+    path = os.path.join(REPO, src.replace('{fx}', fx))
+    if os.path.isdir(path):
+      _copy(path, os.path.join(sb, rel))
+    else:
+      shutil.copy(path, os.path.join(sb, rel))
+  return setup
+
+
+def output_in_input_cases() -> list:
+  """No script writes inside anything it reads, with or without --force: eval_drafter.py's
+  --out inside its drafter, target or data; bench_trees.py's inside its target or a
+  drafter; benchmark.py's and bench_concurrency.py's --out_dir inside their data folder or
+  target; and the other scripts' outputs likewise. Inputs are copies, checked unchanged."""
+  def o(name, argv, message, *inputs):
+    rels = [rel for _, rel in inputs]
+    return Case(name, 'outputs_in_inputs', argv, 'error', message,
+                _steps(*(_copy_of(src, rel) for src, rel in inputs), _snapshot(*rels)),
+                _unchanged(*rels))
+
+  evaluate = ['scripts/eval_drafter.py', '--kind=dflash2']
+  trees = ['scripts/bench_trees.py']
+  bench = ['scripts/benchmark.py', '--config=configs/bench_tiny.py:nohf,t0']
+  inside = 'inside the input '
+  return [
+      o('eval_drafter_out_inside_path', evaluate + ['--path={sb}/in', '--out={sb}/in/e.json'],
+        inside + '--path', ('demo/dflash2', 'in')),
+      o('eval_drafter_out_inside_path_force', evaluate + [
+          '--path={sb}/in', '--out={sb}/in/state/e.json', '--force'], inside + '--path',
+        ('demo/dflash2', 'in')),
+      o('eval_drafter_out_inside_target', evaluate + [
+          '--path=demo/dflash2', '--target={sb}/t', '--out={sb}/t/e.json'], inside + '--target',
+        ('demo/target', 't')),
+      o('eval_drafter_out_inside_data', evaluate + [
+          '--path=demo/dflash2', '--data={sb}/d', '--out={sb}/d/e.json'], inside + '--data',
+        ('demo/distill_demo8k', 'd')),
+      o('bench_trees_out_inside_target', trees + [
+          '--target={sb}/t', '--out={sb}/t/rows.json'], inside + '--target',
+        ('demo/target', 't')),
+      o('bench_trees_out_inside_drafter', trees + [
+          '--drafters=eagle3:{sb}/e', '--out={sb}/e/rows.json'], inside + '--drafters=eagle3',
+        ('demo/eagle3', 'e')),
+      o('bench_trees_out_inside_drafter_force', trees + [
+          '--drafters=eagle3:{sb}/e', '--out={sb}/e/state/rows.json', '--force'],
+        inside + '--drafters=eagle3', ('demo/eagle3', 'e')),
+      o('benchmark_out_dir_inside_data_dir', bench + [
+          '--config.data_dir={sb}/data', '--out_dir={sb}/data/bench'],
+        inside + '--config.data_dir', ('data', 'data')),
+      o('benchmark_out_dir_is_data_dir_force', bench + [
+          '--config.data_dir={sb}/data', '--out_dir={sb}/data', '--force'],
+        inside + '--config.data_dir', ('data', 'data')),
+      o('benchmark_out_dir_inside_target', bench + [
+          '--config.model.source=checkpoint', '--config.model.path={sb}/t',
+          '--out_dir={sb}/t/bench'], inside + '--config.model.path', ('{fx}/target', 't')),
+      o('bench_concurrency_out_dir_inside_data_dir', [
+          'scripts/bench_concurrency.py', '--config.data_dir={sb}/data',
+          '--out_dir={sb}/data/c'], inside + '--config.data_dir', ('data', 'data')),
+      o('bench_structured_out_inside_target', [
+          'scripts/bench_structured.py', '--target={sb}/t', '--out={sb}/t/s'],
+        inside + '--target', ('demo/target', 't')),
+      o('bench_buckets_out_inside_drafter', [
+          'scripts/bench_buckets.py', '--drafter=mtp:{sb}/m', '--out={sb}/m/r.json'],
+        inside + '--drafter', ('demo/mtp', 'm')),
+      o('decode_metrics_inside_data_dir', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--config.prompt_set=gsm8k_test',
+          '--config.data_dir={sb}/data', '--metrics_json={sb}/data/m.json'],
+        inside + '--config.data_dir', ('data', 'data')),
+      o('decode_metrics_is_token_map', [
+          'scripts/decode.py', '--config=configs/demo.py:small', '--config.drafter=mtp',
+          '--config.drafters.mtp.token_map={sb}/tm.json', '--metrics_json={sb}/tm.json',
+          '--force'], 'token_map', ('demo/token_map_2048.json', 'tm.json')),
+      o('distill_out_dir_inside_target', [
+          'scripts/distill.py', '--config=configs/distill_demo.py:tiny',
+          '--config.model.path={sb}/t', '--out_dir={sb}/t/d'], inside + '--config.model.path',
+        ('demo/target', 't')),
+      o('train_workdir_inside_data_dir', [
+          'scripts/train.py', '--config=configs/demo_target_v2.py:quick',
+          '--config.data_dir={sb}/data', '--workdir={sb}/data/run'],
+        inside + '--config.data_dir', ('data', 'data')),
+  ]
+
+
+def _names(rel, *expected):
+  """check: sb/rel holds exactly `expected` (nothing left over, nothing beside)."""
+  def check(sb, fx, proc):
+    got = sorted(os.listdir(os.path.join(sb, rel)))
+    return None if got == sorted(expected) else f'wrong: {rel or "."} holds {got}'
+  return check
+
+
+def _export_of(rel, kind_key):
+  """check: sb/rel is an export (config.json + model.safetensors, nothing else) whose
+  config.json has `kind_key` (dflash_config: z-lab DFlash; speculators_model_type: ...)."""
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    problem = _names(rel, 'config.json', 'model.safetensors')(sb, fx, proc)
+    config = json.load(open(os.path.join(sb, rel, 'config.json')))
+    return problem or (None if kind_key in config else
+                       f'wrong: {rel}/config.json lacks {kind_key} (not the new drafter)')
+  return check
+
+
+def force_replace_cases() -> list:
+  """--force onto another model: export_drafter.py replaces a dspec checkpoint or an
+  earlier export of another drafter whole (nothing of the old one left, nothing left
+  beside it) and never mixes two drafters in a folder; a folder holding two models' files
+  is refused on load by every entry point; user files are never removed."""
+  export = ['scripts/export_drafter.py', '--path=demo/dflash', '--out={sb}/out']
+  decode = ['scripts/decode.py', '--config=configs/demo.py:small', '--config.max_new_tokens=4',
+            '--config.timing_repeats=0', '--quiet']
+
+  def r(name, argv, expect='error', message='', setup=None, check=None):
+    return Case(name, 'force_replace', argv, expect, message, setup, check)
+
+  def mixed(src, files_of):
+    """setup: sb/mixed holds a dspec checkpoint (`src`) plus another model's config.json and
+    model.safetensors (`files_of(sb, fx)`: their folder)."""
+    def setup(sb, fx):
+      _copy_of(src, 'mixed')(sb, fx)
+      for name in ('config.json', 'model.safetensors'):
+        shutil.copy(os.path.join(files_of(sb, fx), name), os.path.join(sb, 'mixed', name))
+    return setup
+
+  eagle3_export = lambda sb, fx: _export_fixture(fx, 'eagle3')
+  hf = lambda sb, fx: os.path.join(fx, 'hf')
+  two = "holds two models' files"
+  return [
+      r('export_force_onto_other_drafter_checkpoint', export + ['--force'], 'ok',
+        setup=_copy_of('demo/eagle3', 'out'),
+        check=_all(_export_of('out', 'dflash_config'), _names('', 'out'))),
+      r('export_onto_other_drafter_checkpoint', export, message='--force',
+        setup=_steps(_copy_of('demo/eagle3', 'out'), _snapshot('out')),
+        check=_unchanged('out')),
+      r('export_force_onto_other_export', export + ['--force'], 'ok',
+        setup=_exported('eagle3', 'out'),
+        check=_all(_export_of('out', 'dflash_config'), _names('', 'out'))),
+      r('export_onto_own_export_of_other_drafter', export, 'ok',
+        setup=_exported('eagle3', 'out'),
+        check=_all(_export_of('out', 'dflash_config'), _names('', 'out'))),
+      r('export_force_onto_checkpoint_with_user_file', export + ['--force'],
+        message="holds another model's files", setup=_steps(_copy_of('demo/eagle3', 'out'),
+                                          _planted('out/notes.txt', 'mine'), _snapshot('out')),
+        check=_unchanged('out')),
+      r('export_force_onto_export_with_user_file', export + ['--force'], 'ok',
+        setup=_steps(_exported('eagle3', 'out'), _planted('out/notes.txt', 'mine')),
+        check=_all(_planted_intact('out/notes.txt', 'mine'), lambda sb, fx, p: None if p.returncode
+                   or 'dflash_config' in json.load(open(f'{sb}/out/config.json'))
+                   else 'wrong: config.json is not the new drafter\'s')),
+      r('convert_hf_force_onto_drafter_export', [
+          'scripts/convert_hf.py', '--hf_dir={fx}/hf', '--out={sb}/out', '--force'],
+        message='not a dspec checkpoint',
+        setup=_steps(_exported('eagle3', 'out'), _snapshot('out')), check=_unchanged('out')),
+      r('api_save_force_onto_drafter_export', _api('''
+          from flax import nnx
+          from dspec import checkpoint
+          checkpoint.save_model('{sb}/out', nnx.Linear(2, 2, rngs=nnx.Rngs(0)), kind='toy',
+                                config={}, force=True)'''), message='not a dspec checkpoint',
+        setup=_steps(_exported('eagle3', 'out'), _snapshot('out')), check=_unchanged('out')),
+      r('decode_drafter_folder_with_two_models', decode + [
+          '--config.drafter=eagle3', '--config.drafters.eagle3.path={sb}/mixed'],
+        message=two, setup=mixed('demo/eagle3', eagle3_export)),
+      r('export_from_folder_with_two_models', [
+          'scripts/export_drafter.py', '--path={sb}/mixed', '--out={sb}/out'], message=two,
+        setup=mixed('demo/eagle3', eagle3_export), check=_absent('out')),
+      r('api_drafter_folder_with_two_models', _api('''
+          import dspec
+          target = dspec.load_target('demo/target')
+          dspec.load_drafter('eagle3', '{sb}/mixed', target=target)'''), message=two,
+        setup=mixed('demo/eagle3', eagle3_export)),
+      r('decode_target_folder_with_two_models', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--config.model.source=checkpoint',
+          '--config.model.path={sb}/mixed', '--quiet'], message=two,
+        setup=mixed('{fx}/target', hf)),
+      r('api_target_folder_with_two_models', _api('''
+          import dspec
+          dspec.load_target('{sb}/mixed')'''), message=two, setup=mixed('{fx}/target', hf)),
+  ]
+
+
+_FILE_SIZE_LIMIT = ('import resource, runpy, sys\nlimit = int(sys.argv[1])\n'
+                    'resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))\n'
+                    "sys.argv = sys.argv[2:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _file_size_limit(limit, *argv) -> list:
+  """argv run with writes past `limit` bytes failing (EFBIG: a disk that fills up; Python
+  ignores SIGXFSZ)."""
+  return [PY, '-c', _FILE_SIZE_LIMIT, str(limit), *argv]
+
+
+def _read_only(rel, *argv) -> list:
+  """argv run with sb/rel mounted read-only (its own mount namespace: EROFS)."""
+  mount = ('d=$1; shift; mount --bind "$d" "$d" && mount -o remount,bind,ro "$d" "$d" && '
+           'exec "$@"')
+  return _program('unshare', '-m' if os.geteuid() == 0 else '-rm', 'sh', '-c', mount, 'sh',
+                  '{sb}/' + rel, PY, *argv)
+
+
+def _immutable(rel):
+  """setup: sb/rel made immutable (chattr +i: no entry created, renamed or removed in it,
+  even by root: EPERM); undone after the case however it ends."""
+  def setup(sb, fx):
+    path = os.path.join(sb, rel)
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(['chattr', '+i', path], check=True)
+    _CLEANUPS.setdefault(sb, []).append(
+        lambda: subprocess.run(['chattr', '-i', path], check=False))
+  return setup
+
+
+def _no_dac_override(*argv) -> list:
+  """argv run without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (so that root, too, is
+  refused a folder without write permission: EACCES)."""
+  return _program('setpriv', '--bounding-set=-dac_override,-dac_read_search', '--', PY,
+                  *argv)
+
+
+def _unwritable(rel):
+  """setup: sb/rel made read and execute only (0555); its mode is put back after the
+  case."""
+  def setup(sb, fx):
+    path = os.path.join(sb, rel)
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o555)
+    _CLEANUPS.setdefault(sb, []).append(lambda: os.chmod(path, 0o755))
+  return setup
+
+
+def disk_cases() -> list:
+  """A write that fails (a full disk, a file-size limit, a read-only file system, an
+  immutable folder) is one error line naming the output; the previous output is intact
+  and nothing is left beside it."""
+  decode = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=4',
+            '--config.timing_repeats=0', '--quiet', '--compilation_cache_dir=']
+  export = ['scripts/export_drafter.py', '--path=demo/dflash']
+  convert = ['scripts/convert_hf.py', '--hf_dir={fx}/hf']
+
+  def w(name, argv, message, setup=None, check=None):
+    return Case(name, 'disk', argv, 'error', message, setup, check)
+
+  full = 'cannot write it (No space left on device)'
+  big = 'cannot write it (File too large)'
+  ro = 'cannot write it (Read-only file system)'
+  denied = 'cannot write it (Operation not permitted)'
+  previous = _steps(_marked_json('out/m.json'), _snapshot('out'))
+  previous_export = _steps(_exported('eagle3', 'out'), _snapshot('out'))
+  previous_ckpt = _steps(_copy_of('{fx}/target', 'out'), _snapshot('out'))
+  return [
+      w('decode_metrics_to_dev_full', decode + ['--metrics_json=/dev/full'],
+        '/dev/full: ' + full),
+      w('decode_trace_to_dev_full', decode + ['--trace_json=/dev/full'], '/dev/full: ' + full),
+      w('api_write_json_to_dev_full', _api('''
+          from dspec import files
+          files.write_json_atomic('/dev/full', {'a': 1})'''), '/dev/full: ' + full),
+      w('decode_metrics_file_size_limit', _file_size_limit(
+          512, *decode, '--metrics_json={sb}/out/m.json'), '{sb}/out/m.json: ' + big,
+        previous, _all(_unchanged('out'), _names('out', 'm.json'))),
+      w('export_file_size_limit_keeps_previous', _file_size_limit(
+          2 ** 20, *export, '--out={sb}/out', '--force'), '{sb}/out: ' + big,
+        previous_export, _all(_unchanged('out'), _names('', 'out'))),
+      w('export_file_size_limit_new_out', _file_size_limit(
+          2 ** 20, *export, '--out={sb}/out'), '{sb}/out: ' + big, check=_names('')),
+      w('convert_hf_file_size_limit_keeps_previous', _file_size_limit(
+          2 ** 16, *convert, '--out={sb}/out', '--force'), '{sb}/out: ' + big,
+        previous_ckpt, _all(_unchanged('out'), _names('', 'out'))),
+      w('api_save_model_file_size_limit', _api('''
+          import resource
+          import dspec
+          from dspec import checkpoint
+          model = dspec.load_target('{sb}/out').model
+          resource.setrlimit(resource.RLIMIT_FSIZE, (2 ** 16, 2 ** 16))
+          checkpoint.save_model('{sb}/out', model, kind='target', config=model.cfg.to_dict(),
+                                force=True)'''), '{sb}/out: ' + big, previous_ckpt,
+        _all(_unchanged('out'), _names('', 'out'))),
+      w('decode_metrics_read_only_fs', _read_only(
+          'out', *decode, '--metrics_json={sb}/out/m.json'), '{sb}/out/m.json: ' + ro,
+        previous, _unchanged('out')),
+      w('export_read_only_fs', _read_only('ro', *export, '--out={sb}/ro/x'),
+        '{sb}/ro/x: ' + ro, lambda sb, fx: os.makedirs(f'{sb}/ro'), _names('ro')),
+      w('convert_hf_read_only_fs', _read_only('ro', *convert, '--out={sb}/ro/ckpt'),
+        '{sb}/ro/ckpt: ' + ro, lambda sb, fx: os.makedirs(f'{sb}/ro'), _names('ro')),
+      w('distill_read_only_fs', _read_only(
+          'ro', 'scripts/distill.py', '--config=configs/distill_demo.py:tiny',
+          '--out_dir={sb}/ro/d'), '{sb}/ro/d', lambda sb, fx: os.makedirs(f'{sb}/ro'),
+        _names('ro')),
+      w('export_permission_denied_keeps_previous', _no_dac_override(
+          *export, '--out={sb}/p/out', '--force'),
+        '{sb}/p/out: cannot write it (Permission denied)',
+        _steps(_exported('eagle3', 'p/out'), _snapshot('p'), _unwritable('p')),
+        _unchanged('p')),
+      w('decode_metrics_permission_denied', _no_dac_override(
+          *decode, '--metrics_json={sb}/out/m.json'),
+        '{sb}/out/m.json: cannot write it (Permission denied)',
+        _steps(previous, _unwritable('out')), _unchanged('out')),
+      w('decode_metrics_immutable_dir', decode + ['--metrics_json={sb}/out/m.json'],
+        '{sb}/out/m.json: ' + denied, _steps(previous, _immutable('out')), _unchanged('out')),
+      w('export_immutable_parent_keeps_previous', export + ['--out={sb}/p/out', '--force'],
+        '{sb}/p/out: ' + denied, _steps(_exported('eagle3', 'p/out'), _snapshot('p'),
+                                        _immutable('p')), _unchanged('p')),
+  ]
+
+
+def _raises(cls, call, *before, base='errors.DspecError'):
+  """API code: `call` raises `cls` (and `base`), through the CLI wrapper as one line; any
+  other exception becomes a RuntimeError (a traceback: the documented class was not
+  raised), none at all exits 0 (silently wrong)."""
+  lines = ['import dspec', 'from dspec import errors, files',
+           'from dspec.checkpoint import CheckpointError', *before, 'try:', f'  {call}',
+           'except Exception as e:',
+           f'  if not (isinstance(e, {cls}) and isinstance(e, {base})):',
+           f"    raise RuntimeError(f'raised {{type(e).__name__}}, not {cls}: {{e}}') from None",
+           '  raise']
+  return _api('\n'.join(lines))
+
+
+def api_error_cases() -> list:
+  """The API's errors are the documented `dspec.errors` classes: a checkpoint of the wrong
+  kind, missing, damaged or mixed is a CheckpointError (a ValueError), a bad argument a
+  ValueError, a refused or failed output an OutputPathError or WriteError, a held folder a
+  LockedError (OSErrors): one `except` catches each family."""
+  demo = "target = dspec.load_target('demo/target')"
+
+  def e(name, cls, call, *before, message='', setup=None, check=None, base=None):
+    base = base or ('OSError' if cls.startswith('files.') else 'ValueError')
+    return Case(name, 'api_errors', _raises(cls, call, *before, base=base), 'error',
+                message, setup, check)
+
+  ckpt = 'CheckpointError'
+  return [
+      e('load_target_of_a_drafter', ckpt, "dspec.load_target('demo/mtp')", message='mtp'),
+      e('load_target_of_a_drafter_export', ckpt, "dspec.load_target('{sb}/in')",
+        message='{sb}/in', setup=_exported('eagle3')),
+      e('load_target_missing', ckpt, "dspec.load_target('/nonexistent/target')",
+        message='/nonexistent/target'),
+      e('load_target_of_a_file', ckpt, "dspec.load_target('{sb}/file')", message='{sb}/file',
+        setup=lambda sb, fx: _write(f'{sb}/file', 'x')),
+      e('load_target_flipped_byte', ckpt, "dspec.load_target('{sb}/in')", message='checksum',
+        setup=lambda sb, fx: (_copy_of('{fx}/target', 'in')(sb, fx),
+                              _flip_byte(_largest_data_file(f'{sb}/in')))),
+      e('load_drafter_of_another_kind', ckpt,
+        "dspec.load_drafter('dflash', 'demo/mtp', target=target)", demo, message='mtp'),
+      e('load_drafter_of_a_target', ckpt,
+        "dspec.load_drafter('mtp', 'demo/target', target=target)", demo, message='target'),
+      e('load_drafter_export_of_another_kind', ckpt,
+        "dspec.load_drafter('dflash', '{sb}/in', target=target)", demo, message='{sb}/in',
+        setup=_exported('eagle3')),
+      e('load_drafter_missing', ckpt,
+        "dspec.load_drafter('mtp', '/nonexistent/mtp', target=target)", demo,
+        message='/nonexistent/mtp'),
+      e('load_drafter_bad_argument', 'ValueError',
+        "dspec.load_drafter('ngram', target=target, num_draft=4.0)", demo,
+        message='num_draft', base='ValueError'),
+      e('generate_bad_argument', 'ValueError', "dspec.generate(target, None)", demo,
+        message='prompts', base='ValueError'),
+      e('write_through_symlink', 'files.OutputPathError',
+        "files.write_json_atomic('{sb}/link.json', {'a': 1})", message='symlink',
+        setup=_steps(_planted('real.json'), _link('real.json', 'link.json'),
+                     _snapshot('real.json')), check=_unchanged('real.json')),
+      e('write_to_dev_full', 'files.WriteError',
+        "files.write_json_atomic('/dev/full', {'a': 1})", message='/dev/full'),
+      e('folder_held_by_another_process', 'files.LockedError',
+        "files.directory_lock('{sb}/run', 'trainer').__enter__()", message='another trainer',
+        setup=_hold_lock('run', 'trainer'), check=_release),
+      e('save_force_onto_user_folder', ckpt, "dspec.checkpoint.save_model('{sb}/keep', "
+        "nnx.Linear(2, 2, rngs=nnx.Rngs(0)), kind='toy', config={}, force=True)",
+        'import dspec.checkpoint', 'from flax import nnx', message='not a dspec checkpoint',
+        setup=_steps(_planted(), _snapshot('keep')), check=_unchanged('keep')),
+  ]
+
+
+_YES_NO = r'(Yes|No)\. [A-Za-z ,]{1,30}\.'
+_SCHEMA = {'type': 'object',
+           'properties': {'name': {'type': 'string', 'maxLength': 12},
+                          'age': {'type': 'integer', 'minimum': 0, 'maximum': 999}},
+           'required': ['name', 'age'], 'additionalProperties': False}
+_GRAMMAR = 'start: ("Yes" | "No") ". " WORD "."\nWORD: /[a-z]{1,12}/\n'
+
+
+def _follows(kind, source=None):
+  """check: the metrics JSON's output matches the constraint where it says it completed
+  (re.fullmatch for a regex; JSON with the schema's two keys)."""
+  def check(sb, fx, proc):
+    if proc.returncode != 0:
+      return None
+    report = _strict_json(os.path.join(sb, 'm.json'))
+    texts = report.get('texts') or [report.get('text')]
+    complete = report.get('constraint_complete') or []
+    for text, done in zip(texts, complete):
+      if not done:
+        continue
+      if kind == 'regex' and not re.fullmatch(source, text):
+        return f'wrong: {text!r} does not match {source}'
+      if kind == 'json_schema':
+        try:
+          value = json.loads(text)
+        except ValueError:
+          return f'wrong: {text!r} is not JSON'
+        if not isinstance(value, dict) or set(value) != {'name', 'age'}:
+          return f'wrong: {text!r} does not follow the schema'
+    return None
+  return check
+
+
+def structured_cases() -> list:
+  """Structured output (--json_schema, --regex, --grammar): a missing or invalid file, a
+  bad or unsatisfiable constraint, one where it cannot run (a mesh, a byte tokenizer, two
+  at once) and the grammar drafter without one are each one error line before anything
+  compiles; with a drafter, chains and trees, the output equals constrained AR's."""
+  base = ['scripts/decode.py', '--config=configs/demo.py:small', '--config.drafter=ngram',
+          '--config.max_new_tokens=16', '--config.timing_repeats=0', '--quiet']
+
+  def s(name, *args, message='', expect='error', setup=None, check=None,
+        prompt='Question: Is 7 a prime number?\nAnswer: '):
+    if expect == 'ok':
+      args += ('--config.compare_ar=True', '--metrics_json={sb}/m.json')
+    return Case(name, 'structured', base + [f'--prompt={prompt}', *args], expect, message,
+                setup, check)
+
+  def file(rel, text):
+    return lambda sb, fx: _write(os.path.join(sb, rel), text, 'wb' if isinstance(
+        text, bytes) else 'w')
+
+  schema = json.dumps(_SCHEMA)
+  api = '''
+      import dspec
+      target = dspec.load_target('demo/target')
+      dspec.generate(target, ['a', 'b'], max_new_tokens=4, {})'''
+  return [
+      s('json_schema_missing', '--json_schema={sb}/nope.json',
+        message='--json_schema={sb}/nope.json: cannot read it'),
+      s('json_schema_is_directory', '--json_schema={sb}', message='cannot read it'),
+      s('json_schema_binary', '--json_schema={sb}/s.json', message='cannot read it',
+        setup=file('s.json', b'\xff\xfe{')),
+      s('json_schema_truncated', '--json_schema={sb}/s.json',
+        message='json_schema: not valid JSON', setup=file('s.json', '{"type": "object",')),
+      s('json_schema_list', '--json_schema={sb}/s.json', message='a schema is a JSON object',
+        setup=file('s.json', '[1, 2]')),
+      s('json_schema_string', '--json_schema={sb}/s.json',
+        message='a schema is a JSON object', setup=file('s.json', '"object"')),
+      s('json_schema_unknown_type', '--json_schema={sb}/s.json', message='json_schema: ',
+        setup=file('s.json', '{"type": "nonsense"}')),
+      s('json_schema_empty_file', '--json_schema={sb}/s.json',
+        message='json_schema: the constraint is empty', setup=file('s.json', '')),
+      s('regex_invalid', '--regex=[0-9', message='regex: '),
+      s('regex_unbalanced', '--regex=(ab', message='regex: '),
+      s('regex_empty', '--regex=', message='regex: the constraint is empty'),
+      s('regex_only_the_empty_output', '--regex=a{0}', message='allows no output'),
+      s('grammar_missing', '--grammar={sb}/nope.lark',
+        message='--grammar={sb}/nope.lark: cannot read it'),
+      s('grammar_invalid', '--grammar={sb}/g.lark', message='grammar: ',
+        setup=file('g.lark', 'start: ((\n')),
+      s('grammar_without_start', '--grammar={sb}/g.lark', message='grammar: ',
+        setup=file('g.lark', 'foo: "a"\n')),
+      s('two_constraints', '--regex=a+', '--json_schema={sb}/s.json', message='give one of',
+        setup=file('s.json', schema)),
+      s('constraint_with_a_mesh', f'--regex={_YES_NO}', '--config.mesh=data=1',
+        message='structured output runs on one device'),
+      s('grammar_drafter_without_constraint', '--config.drafter=grammar',
+        message='drafts only the tokens a constraint forces'),
+      s('noforced_drafts_without_constraint', '--noforced_drafts',
+        message='--noforced_drafts needs a constraint'),
+      Case('constraint_on_a_byte_tokenizer', 'structured', [
+          'scripts/decode.py', '--config=configs/tiny.py', '--regex=a+', '--quiet'], 'error',
+           'needs a model with a tokenizer.json'),
+      Case('api_regex_invalid', 'structured', _api(api.format("regex='[0-9'")), 'error',
+           'regex: '),
+      Case('api_one_constraint_for_two_prompts', 'structured',
+           _api(api.format("regex=['a+']")), 'error', 'one entry (or None) per prompt (2)'),
+      Case('api_two_constraints_for_a_row', 'structured',
+           _api(api.format("regex='a+', json_schema={'type': 'object'}")), 'error',
+           'give one constraint per row'),
+      s('regex_ngram_lossless', f'--regex={_YES_NO}', expect='ok',
+        check=_all(_lossless(), _follows('regex', _YES_NO))),
+      s('json_schema_mtp_lossless', '--config.drafter=mtp', '--json_schema={sb}/s.json',
+        '--config.max_new_tokens=24', prompt='A person described in JSON: ', expect='ok',
+        setup=file('s.json', schema), check=_all(_lossless(), _follows('json_schema'))),
+      s('grammar_drafter_lossless', '--config.drafter=grammar', '--grammar={sb}/g.lark',
+        expect='ok', setup=file('g.lark', _GRAMMAR), check=_lossless()),
+      s('regex_tree_lossless', f'--regex={_YES_NO}', '--config.verify_length=tree',
+        expect='ok', check=_all(_lossless(verify_length='tree'), _follows('regex', _YES_NO))),
+      s('regex_noforced_drafts_lossless', f'--regex={_YES_NO}', '--noforced_drafts',
+        '--config.verify_length=fixed', expect='ok',
+        check=_all(_lossless(), _follows('regex', _YES_NO))),
+  ]
+
+
+def lossless_mode_cases() -> list:
+  """Token trees (verify_length tree and auto_tree) give AR's output token for token, with
+  every tree drafter, on ragged batches and small or degenerate tree shapes (lossless in
+  the metrics JSON); a drafter with no tree mode is refused."""
+  tiny = ['scripts/decode.py', '--config=configs/tiny.py', '--config.max_new_tokens=12',
+          '--config.timing_repeats=0', '--quiet', '--config.compare_ar=True',
+          '--metrics_json={sb}/m.json']
+  demo = ['scripts/decode.py', '--config=configs/demo.py:small', '--config.max_new_tokens=12',
+          '--config.timing_repeats=0', '--quiet', '--metrics_json={sb}/m.json']
+  quick_profile = ['--config.controller.profile_repeats=1', '--config.controller.profile_steps=2']
+
+  def l(name, base, drafter, mode, *args):
+    return Case(name, 'lossless_modes', base + [f'--config.drafter={drafter}',
+                                                f'--config.verify_length={mode}', *args],
+                'ok', check=_lossless(verify_length=mode))
+
+  return [
+      l('tiny_ngram_tree', tiny, 'ngram', 'tree'),
+      l('tiny_ngram_auto_tree', tiny, 'ngram', 'auto_tree', *quick_profile),
+      l('tiny_self_tree', tiny, 'self', 'tree'),
+      l('tiny_ngram_tree_ragged_batch', tiny, 'ngram', 'tree', '--prompt=def f(x):',
+        '--prompt=abcabcabc', '--prompt=1, 2, 3, 1, 2, 3, 1', '--config.batch_size=3'),
+      l('tiny_ngram_tree_4_nodes', tiny, 'ngram', 'tree', '--config.tree.num_nodes=4',
+        '--config.tree.top_k=2'),
+      l('tiny_ngram_tree_top_k_one', tiny, 'ngram', 'tree', '--config.tree.num_nodes=8',
+        '--config.tree.top_k=1'),
+      Case('tiny_suffix_tree_refused', 'lossless_modes', tiny + [
+          '--config.drafter=suffix', '--config.verify_length=tree'], 'error',
+           'verify_length=tree', check=_absent('m.json')),
+      l('eagle3_tree', demo, 'eagle3', 'tree'),
+      l('dflash2_tree', demo + ['--config.drafters.dflash.path=demo/dflash2'], 'dflash',
+        'tree'),
+      l('dspark_tree', demo, 'dspark', 'tree'),
+      l('mtp_auto_tree', demo, 'mtp', 'auto_tree', *quick_profile),
+  ]
+
 def all_cases() -> list:
   return (decode_cases() + train_cases() + distill_cases() + convert_cases() + bench_cases()
           + api_cases() + output_cases() + api_arg_cases() + config_cases() + context_cases()
-          + named_file_cases() + lock_cases())
+          + named_file_cases() + lock_cases() + multiprocess_cases() + knob_cases()
+          + ckpt_value_cases() + foreign_drafter_cases() + output_in_input_cases()
+          + force_replace_cases() + disk_cases() + api_error_cases() + structured_cases()
+          + lossless_mode_cases())
 
 
 # ------------------------------------------------------------------------------ running
@@ -1639,7 +2675,7 @@ def classify(case: Case, proc, problem: Optional[str], fill) -> tuple[str, str]:
     last = [line for line in stderr.strip().splitlines() if line.strip()][-1:]
     return 'traceback', last[0][:160] if last else ''
   if proc.returncode != 0:
-    if proc.returncode != 1 or len(errors) != 1:
+    if proc.returncode != case.status or len(errors) != 1:
       return 'traceback', f'exit {proc.returncode}, {len(errors)} error lines'
     note = errors[0][:160]
     if problem:
@@ -1738,7 +2774,7 @@ def main():
       print(f'[{i + 1:3d}/{len(cases)}] {category:14s} {case.group}/{case.name} '
             f'({seconds:.0f}s) {note}', flush=True)
   finally:
-    for sb in list(_HOLDERS):
+    for sb in list(_HOLDERS) + list(_CLEANUPS):
       _release(sb, fx, None)
     if not args.keep:
       shutil.rmtree(scratch, ignore_errors=True)

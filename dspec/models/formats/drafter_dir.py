@@ -62,11 +62,11 @@ def read_json(path: str) -> dict:
 
 def read_config(path) -> Optional[dict]:
   """The `config.json` of a drafter directory, or None when it has none (a dspec
-  checkpoint); FileNotFoundError when the directory does not exist, CheckpointError when it
-  holds two models' files (`check_one_model`)."""
+  checkpoint); CheckpointError when the directory does not exist or holds two models'
+  files (`check_one_model`)."""
   path = os.fspath(path)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f'{path}: no such drafter directory')
+    raise CheckpointError(f'{path}: no such drafter directory')
   check_one_model(path)
   config_path = os.path.join(path, 'config.json')
   return read_json(config_path) if os.path.exists(config_path) else None
