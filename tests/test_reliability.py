@@ -724,6 +724,35 @@ def test_load_functions_refuse_bad_arguments_naming_them(api_target, tmp_path):
       call()
 
 
+def test_a_drafter_for_another_target_is_refused_naming_both(api_target, tmp_path):
+  """`generate` checks the drafter against the target it is given (not only
+  `load_drafter` against its own): an MTP built for a wider target names both widths."""
+  import dataclasses
+  import dspec
+  from dspec.models.mtp import MTP, MTPConfig, save_mtp
+  wide = dataclasses.replace(TINY, embed_dim=2 * TINY.embed_dim)
+  other = dspec.api.Target(Transformer(wide, rngs=nnx.Rngs(1)), api_target.tokenizer, 64)
+  save_mtp(str(tmp_path / 'mtp'), MTP(MTPConfig(num_depths=1), wide, rngs=nnx.Rngs(2)))
+  drafter = dspec.load_drafter('mtp', str(tmp_path / 'mtp'), target=other)
+  with pytest.raises(ValueError, match=rf'width {wide.embed_dim} does not match the target '
+                     rf'width {TINY.embed_dim}'):
+    dspec.generate(api_target, [[1, 2, 3]], drafter, max_new_tokens=4)
+
+
+def test_load_errors_are_checkpoint_errors(api_target, tmp_path):
+  """What `dspec.load_target` / `load_drafter` raise for a path that holds no such model
+  is `dspec.errors.CheckpointError` (a ValueError), as their docstrings say."""
+  import dspec
+  from dspec.errors import CheckpointError
+  (tmp_path / 'file').write_text('x')
+  for call in (lambda: dspec.load_target(str(tmp_path / 'missing')),
+               lambda: dspec.load_target(str(tmp_path / 'file')),
+               lambda: dspec.load_drafter('eagle3', str(tmp_path / 'missing'),
+                                          target=api_target)):
+    with pytest.raises(CheckpointError):
+      call()
+
+
 def test_num_draft_is_checked_with_the_prompt_against_the_context(api_target):
   import dspec
   drafter = dspec.load_drafter('ngram', target=api_target, num_draft=100000)
