@@ -1769,15 +1769,13 @@ def _launch_ended(status, within):
 def _lossless(rel='m.json', **expected):
   """check: the metrics JSON says the output equals AR's (`lossless` true), with tokens,
   and holds `expected` (e.g. verify_length='tree')."""
+  tokens = _metrics_ok(rel)
+
   def check(sb, fx, proc):
-    if proc.returncode != 0:
-      return None
-    try:
-      report = _strict_json(os.path.join(sb, rel))
-    except (OSError, ValueError) as e:
-      return f'wrong: {rel}: {e}'
-    if not report.get('new_tokens') or not report.get('output_ids'):
-      return 'wrong: no tokens generated'
+    problem = tokens(sb, fx, proc)
+    if proc.returncode != 0 or problem:
+      return problem
+    report = _strict_json(os.path.join(sb, rel))
     if report.get('lossless') is not True:
       return f'wrong: lossless is {report.get("lossless")!r}, not true'
     for key, value in expected.items():

@@ -295,18 +295,9 @@ class SpeculativeEngine:
              force_wide=False, *, until_row_done: bool = False) -> DecodeState:
     """Steps until every row is done or `max_steps` steps ran; with `until_row_done` also
     until some row that was live at the start has finished. `force_wide`: see `step_fn`."""
-    stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)   # saturating
-    done_at_start_B = state.done_B
-
-    def go_on(st):
-      more = (st.step < stop) & ~jnp.all(st.done_B)
-      if until_row_done:
-        more &= ~jnp.any(st.done_B & ~done_at_start_B)
-      return more
-
-    return jax.lax.while_loop(
-        go_on, lambda st: self.step_fn(target_params, drafter_params, st,
-                                       force_wide=force_wide), state)
+    return run_steps(lambda st: self.step_fn(target_params, drafter_params, st,
+                                             force_wide=force_wide),
+                     state, max_steps, until_row_done)
 
   # ---------------------------------------------------------------- jitted entry points
 
@@ -388,6 +379,22 @@ def _constrained_q(proposal: Proposal, masks: StepMasks):
   own_BG = jnp.arange(g)[None, :] < masks.own_B[:, None]
   return jnp.where(own_BG[..., None], q_BGV,
                    jax.nn.one_hot(proposal.tokens_BG, vocab, dtype=q_BGV.dtype))
+
+
+def run_steps(step, state: DecodeState, max_steps, until_row_done: bool) -> DecodeState:
+  """`step` in a `lax.while_loop` until every row is done or `max_steps` steps ran (with
+  `until_row_done`, also until a row live at the start has finished): every engine's
+  step driver."""
+  stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)   # saturating
+  done_at_start_B = state.done_B
+
+  def go_on(st):
+    more = (st.step < stop) & ~jnp.all(st.done_B)
+    if until_row_done:
+      more &= ~jnp.any(st.done_B & ~done_at_start_B)
+    return more
+
+  return jax.lax.while_loop(go_on, step, state)
 
 
 def _first_false(mask_BG):

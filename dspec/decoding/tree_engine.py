@@ -29,7 +29,7 @@ from flax import nnx
 from dspec.compiled_programs import ProgramCache
 from dspec.config_checks import check_int
 from dspec.decoding.engine import (NO_STEP_LIMIT, SpeculativeEngine, device_scalar,
-                                   mask_logits)
+                                   mask_logits, run_steps)
 from dspec.decoding.state import DecodeState, TreeTrace
 from dspec.decoding.tree import DraftTree, compact_path
 from dspec.decoding.tree_verification import verify_tree
@@ -243,17 +243,8 @@ class TreeEngine:
     """As `SpeculativeEngine.run_fn` (`force_wide` changes nothing: every step verifies
     all of its tree's nodes)."""
     del force_wide
-    stop = state.step + jnp.minimum(max_steps, NO_STEP_LIMIT - state.step)
-    done_at_start_B = state.done_B
-
-    def go_on(st):
-      more = (st.step < stop) & ~jnp.all(st.done_B)
-      if until_row_done:
-        more &= ~jnp.any(st.done_B & ~done_at_start_B)
-      return more
-
-    return jax.lax.while_loop(
-        go_on, lambda st: self.step_fn(target_params, drafter_params, st), state)
+    return run_steps(lambda st: self.step_fn(target_params, drafter_params, st), state,
+                     max_steps, until_row_done)
 
   @property
   def prefill_fn(self):

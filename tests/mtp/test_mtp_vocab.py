@@ -116,16 +116,23 @@ def test_sampled_reduced_mtp_is_lossless(small_vocab_model):
                                     num_tokens=3)
 
 
-def test_a_token_map_sets_the_draft_vocabulary_and_bad_maps_are_refused(tiny_model, tmp_path):
-  """The quick check's part of the test below (no decoding): the drafter a token map gives
-  drafts from the map's ids, in order; a bad map is one error naming the problem."""
-  save_mtp(str(tmp_path / 'mtp'), random_mtp(MTPConfig(num_depths=3)))
+def _token_map_config(mtp, tmp_path) -> tuple:
+  """(decode config of the tiny target with `mtp` saved and VOCAB reversed as its token
+  map, the map's path)."""
+  save_mtp(str(tmp_path / 'mtp'), mtp)
   token_map = tmp_path / 'map.json'
   token_map.write_text(json.dumps(list(reversed(VOCAB))))
   cfg = common.decode_config('tiny')
   cfg.drafter = 'mtp'
   cfg.drafters.mtp.path = str(tmp_path / 'mtp')
   cfg.drafters.mtp.token_map = str(token_map)
+  return cfg, token_map
+
+
+def test_a_token_map_sets_the_draft_vocabulary_and_bad_maps_are_refused(tiny_model, tmp_path):
+  """The quick check's part of the test below (no decoding): the drafter a token map gives
+  drafts from the map's ids, in order; a bad map is one error naming the problem."""
+  cfg, token_map = _token_map_config(random_mtp(MTPConfig(num_depths=3)), tmp_path)
   drafter, _ = registry.build_drafter(cfg, tiny_model)
   assert drafter.config.draft_vocab == VOCAB
   for text, message in (('[1, 2, 2]', 'repeats token ids'), ('[0, 64]', r'in \[0, 64\)'),
@@ -140,13 +147,7 @@ def test_token_map_restricts_a_full_vocabulary_mtp(tiny_model, tiny_split, tmp_p
   """drafters.mtp.token_map gives the drafter a trained reduced MTP would have (same
   weights, drafts inside the map); greedy output equals AR; bad maps are refused."""
   full = random_mtp(MTPConfig(num_depths=3))
-  save_mtp(str(tmp_path / 'mtp'), full)
-  token_map = tmp_path / 'map.json'
-  token_map.write_text(json.dumps(list(reversed(VOCAB))))
-  cfg = common.decode_config('tiny')
-  cfg.drafter = 'mtp'
-  cfg.drafters.mtp.path = str(tmp_path / 'mtp')
-  cfg.drafters.mtp.token_map = str(token_map)
+  cfg, token_map = _token_map_config(full, tmp_path)
   drafter, params = registry.build_drafter(cfg, tiny_model)
   assert drafter.config.draft_vocab == VOCAB
   expected, _ = MTPDrafter.from_model(random_mtp(MTPConfig(num_depths=3, draft_vocab=VOCAB)))
