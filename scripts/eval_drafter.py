@@ -4,18 +4,19 @@
       [--target=demo/target] [--data=demo/distill_demo8k] [--rows=64] \
       [--out=runs/eval/dflash2.json] [--force]
 
---kind is dflash, dflash2, dspark, eagle3 or mtp; --path a checkpoint of that family
-(dspec or a published form dspec reads). The rows are the held-out rows of the training
-split (`distill.split_distilled` with the drafter configs' width and held-out fraction:
-spread over the whole distillation, so over its code and GSM8K prompts), at most --rows
-of them. At every decode anchor of a row the drafter drafts its K slots as it does at
-T = 0 (`dspec.training.slot_acceptance`); the table gives per slot p(hit | earlier slots
-hit), p(slots 1..k hit) and p(hit), then two τ estimates at fixed verification of the K
-drafts: `tau`, 1 + E[accepted drafts] over all anchors alike, and `walk tau`, the tokens
-per step a T = 0 decode of the rows' prompts commits (what decoding measures). --out
-writes the table as JSON (atomically); an existing file dspec did not write is kept unless
---force, and an --out inside --path, --target or --data is refused. Bad input prints one
-`error: ...` line and exits with status 1.
+--kind is a learned kind with a slot reader (`slot_acceptance.KINDS`: dflash, dflash2,
+dspark, eagle3, mtp); --path a checkpoint of that family (dspec or a published form dspec
+reads). The rows are the held-out rows of the training split (`distill.split_distilled`
+with the drafter configs' width and held-out fraction: spread over the whole
+distillation, so over its code and GSM8K prompts), at most --rows of them. At every
+decode anchor of a row the drafter drafts its K slots as it does at T = 0
+(`dspec.training.slot_acceptance`); the table gives per slot p(hit | earlier slots hit),
+p(slots 1..k hit) and p(hit), then two τ estimates at fixed verification of the K drafts:
+`tau`, 1 + E[accepted drafts] over all anchors alike, and `walk tau`, the tokens per step
+a T = 0 decode of the rows' prompts commits (what decoding measures). --out writes the
+table as JSON (atomically); an existing file dspec did not write is kept unless --force,
+and an --out inside --path, --target or --data is refused. Bad input prints one `error:
+...` line and exits with status 1.
 """
 
 import os
@@ -27,8 +28,9 @@ from absl import flags  # noqa: E402
 
 from dspec import cli, console  # noqa: E402
 from dspec.errors import UserError  # noqa: E402
+from dspec.models.formats import DRAFTERS  # noqa: E402
+from dspec.training.slot_acceptance import KINDS, kind_of  # noqa: E402
 
-KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
 WIDTH = 320               # configs/common.py drafter_training: seq_len
 HELDOUT_FRACTION = 0.03   # ... and data.heldout_fraction
 
@@ -44,18 +46,7 @@ _FORCE = flags.DEFINE_boolean('force', False, 'Replace an --out file dspec did n
 
 
 def _load(kind: str, path: str, target):
-  from dspec.models.formats.dflash import load_dflash
-  from dspec.models.formats.dspark import load_dspark
-  from dspec.models.formats.eagle3 import load_eagle3
-  from dspec.models.formats.mtp import load_mtp
-  from dspec.training.slot_acceptance import kind_of
-  layers = target.cfg.num_layers
-  loaders = {'dflash': lambda: load_dflash(path, num_target_layers=layers),
-             'dflash2': lambda: load_dflash(path, num_target_layers=layers),
-             'dspark': lambda: load_dspark(path, num_target_layers=layers),
-             'eagle3': lambda: load_eagle3(path, target_cfg=target.cfg),
-             'mtp': lambda: load_mtp(path, target_cfg=target.cfg)}
-  drafter = loaders[kind]()
+  drafter = DRAFTERS[kind].load(path, target_cfg=target.cfg)
   if kind_of(drafter) != kind:
     raise UserError(f'--path={path} holds a {kind_of(drafter)} drafter, not {kind} '
                     f'(pass --kind={kind_of(drafter)})')

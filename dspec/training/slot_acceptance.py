@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspec import drafter_kinds
 from dspec.models.dflash import DFlashModel
-from dspec.models.dflash2 import DFlash2Model, propose_block
+from dspec.models.dflash2 import propose_block
 from dspec.models.dspark import DSparkModel
 from dspec.models.eagle3 import Eagle3Model
 from dspec.models.mtp import MTP
 
-KINDS = ('dflash', 'dflash2', 'dspark', 'eagle3', 'mtp')
+# The kinds with a reader (their registrations' `slots`).
+KINDS = tuple(sorted(kind.name for kind in drafter_kinds.KINDS if kind.slots))
 ANCHORS_PER_CALL = 32
 WALK_ROWS = 32    # held-out rows of the trainers' periodic walk
 
@@ -118,41 +121,59 @@ def anchor_block_hidden(drafter: DFlashModel, target, taps_BSND, tokens_BS, anch
   return hidden_BQD.reshape(b, n, big_b, -1), pos_BNK
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotReader:
+  """How the tables read one drafter kind: num_slots(model) -> K, the drafts it proposes
+  per step by default (registry `num_draft` 0); drafts(model, target, tokens_1S, anchors_1N,
+  K) -> its T = 0 drafts [1, N, K] at anchors [1, N] (>= 1) of one row."""
+
+  num_slots: Callable
+  drafts: Callable
+
+
 def kind_of(drafter) -> str:
-  """The family name of a drafter module."""
-  for cls, kind in ((DSparkModel, 'dspark'), (DFlash2Model, 'dflash2'), (Eagle3Model, 'eagle3'),
-                    (MTP, 'mtp')):
-    if isinstance(drafter, cls):
-      return kind
-  return 'dflash'
+  """The family name of a drafter module (its checkpoint kind)."""
+  return drafter.checkpoint_kind
+
+
+def _reader(drafter) -> SlotReader:
+  return drafter_kinds.resolve(drafter_kinds.BY_NAME[kind_of(drafter)].slots, 'dspec.training')
 
 
 def num_slots(drafter) -> int:
   """K: the drafts per step each family proposes by default (registry `num_draft` 0)."""
-  kind = kind_of(drafter)
-  if kind in ('dflash', 'dflash2'):
-    return drafter.cfg.block_size - 1
-  if kind == 'dspark':
-    return drafter.cfg.block_size
-  if kind == 'eagle3':
-    return drafter.cfg.ttt_steps
-  return drafter.cfg.num_depths
+  return _reader(drafter).num_slots(drafter)
 
 
-def _block_drafts(drafter, target, tokens_1S, anchors_1N):
-  """[1, N, K] drafts of a block drafter (one pass over all anchors' blocks)."""
+def _block_hidden(drafter, target, tokens_1S, anchors_1N):
+  """(post-norm hidden [N, b, D] of the anchors' blocks, anchor tokens [N]) of a block
+  drafter (one pass over all anchors' blocks)."""
   taps = target(tokens_1S, taps=drafter.cfg.target_layer_ids, compute_logits=False).taps_BTND
   hidden_1NBD, _ = anchor_block_hidden(drafter, target, taps, tokens_1S, anchors_1N)
-  _, n, big_b, d = hidden_1NBD.shape
-  anchor_N = tokens_1S[0, anchors_1N[0]]
-  if isinstance(drafter, DSparkModel):
-    return drafter.walk(target, hidden_1NBD[0], anchor_N).tokens_BG[None]
-  hidden_NGD = hidden_1NBD[0, :, 1:]
-  if isinstance(drafter, DFlash2Model):
-    return drafter.token_ids(propose_block(drafter, target, hidden_NGD, anchor_N,
-                                           greedy=True).tokens_BG)[None]
-  logits_NGV = drafter.draft_logits(target, hidden_NGD)
+  return hidden_1NBD[0], tokens_1S[0, anchors_1N[0]]
+
+
+def _dflash_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
+  """DFlash: the argmax of slots 1..b−1 of the block pass."""
+  del num_draft
+  hidden_NBD, _ = _block_hidden(drafter, target, tokens_1S, anchors_1N)
+  logits_NGV = drafter.draft_logits(target, hidden_NBD[:, 1:])
   return drafter.token_ids(jnp.argmax(logits_NGV, axis=-1))[None]
+
+
+def _dflash2_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
+  """DFlash-2: the candidate selector's greedy walk over slots 1..b−1."""
+  del num_draft
+  hidden_NBD, anchor_N = _block_hidden(drafter, target, tokens_1S, anchors_1N)
+  return drafter.token_ids(propose_block(drafter, target, hidden_NBD[:, 1:], anchor_N,
+                                         greedy=True).tokens_BG)[None]
+
+
+def _dspark_drafts(drafter: DSparkModel, target, tokens_1S, anchors_1N, num_draft: int):
+  """DSpark: the Markov walk over the whole block."""
+  del num_draft
+  hidden_NBD, anchor_N = _block_hidden(drafter, target, tokens_1S, anchors_1N)
+  return drafter.walk(target, hidden_NBD, anchor_N).tokens_BG[None]
 
 
 def _eagle3_drafts(drafter: Eagle3Model, target, tokens_1S, anchors_1N, num_draft: int):
@@ -189,15 +210,19 @@ def _mtp_drafts(drafter: MTP, target, tokens_1S, anchors_1N, num_draft: int):
   return jnp.stack(drafts, axis=1)[None]
 
 
+# Each kind's reader, named by its registration's `slots` (`dspec.drafter_kinds`).
+DFLASH_SLOTS = SlotReader(lambda m: m.cfg.block_size - 1, _dflash_drafts)
+DFLASH2_SLOTS = SlotReader(lambda m: m.cfg.block_size - 1, _dflash2_drafts)
+DSPARK_SLOTS = SlotReader(lambda m: m.cfg.block_size, _dspark_drafts)
+EAGLE3_SLOTS = SlotReader(lambda m: m.cfg.ttt_steps, _eagle3_drafts)
+MTP_SLOTS = SlotReader(lambda m: m.cfg.num_depths, _mtp_drafts)
+
+
 @functools.partial(jax.jit, static_argnames=('num_draft',))
 def anchor_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
   """The T = 0 drafts [1, N, K] at anchors [1, N] of one row (anchors >= 1; K =
   `num_slots(drafter)`)."""
-  if isinstance(drafter, Eagle3Model):
-    return _eagle3_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
-  if isinstance(drafter, MTP):
-    return _mtp_drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
-  return _block_drafts(drafter, target, tokens_1S, anchors_1N)
+  return _reader(drafter).drafts(drafter, target, tokens_1S, anchors_1N, num_draft)
 
 
 def decode_anchors(loss_mask_S) -> np.ndarray:

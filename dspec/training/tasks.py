@@ -1,27 +1,27 @@
-"""Objective registry: maps `training.task` to the builder of its TrainTask."""
+"""Objective registry: maps `training.task` to the builder of its TrainTask (the drafter
+tasks from their kinds' registrations in `dspec.drafter_kinds`)."""
 
 from __future__ import annotations
 
 from dspec import checkpoint, config_checks
+from dspec.drafter_kinds import KINDS, resolve
 from dspec.errors import UserError
 from dspec.training import trainer
 
+# Tasks that train a target (mtp_joint: with its MTP depths); they load their own init_from.
+_TARGET_TASKS = {'target': 'target_lm:build_task', 'mtp_joint': 'mtp_task:build_joint_task'}
 # The checkpoint kind each drafter task trains (and exports), for `training.init_from`.
-DRAFTER_KINDS = {'dflash': 'dflash', 'bd3lm': 'dflash', 'dflash2': 'dflash2',
-                 'dspark': 'dspark', 'eagle3': 'eagle3', 'mtp_posthoc': 'mtp'}
-
-
-def _builders():
-  from dspec.training import dflash_task, dspark_task, eagle3_task, mtp_task, target_lm
-  return {'target': target_lm.build_task, 'dflash': dflash_task.build_task,
-          'dflash2': dflash_task.build_task, 'bd3lm': dflash_task.build_task,
-          'dspark': dspark_task.build_task, 'eagle3': eagle3_task.build_task,
-          'mtp_joint': mtp_task.build_joint_task, 'mtp_posthoc': mtp_task.build_posthoc_task}
-
-
+DRAFTER_KINDS = {task: kind.name for kind in KINDS for task in kind.tasks}
 # Drafters built on another's backbone: `init_from` may name an export of that kind, whose
 # params they take while their own heads start fresh.
-BACKBONE_KINDS = {'dflash2': 'dflash', 'dspark': 'dflash'}
+BACKBONE_KINDS = {kind.name: kind.backbone for kind in KINDS if kind.backbone}
+
+
+def _builders() -> dict:
+  """`training.task` -> its `build_task(cfg, workdir)` (imported here, when training)."""
+  tasks = dict(_TARGET_TASKS, **{task: build for kind in KINDS
+                                 for task, build in kind.tasks.items()})
+  return {task: resolve(build, 'dspec.training') for task, build in tasks.items()}
 
 
 def warm_start_drafter(task: trainer.TrainTask, tcfg) -> None:

@@ -1,7 +1,7 @@
 """Builds the drafter a decode config asks for (`cfg.drafter` + `cfg.drafters.<name>`).
 
-Every builder has one signature, `build(cfg, target) -> (drafter, params)`; adding a
-drafter adds one line to `_BUILDERS` and its defaults to `DEFAULTS` (see
+Every builder has one signature, `build(cfg, target) -> (drafter, params)`; the builders
+and their config defaults are the decoding kinds of `dspec.drafter_kinds.KINDS` (see
 `dspec/decoding/drafter.py`).
 """
 
@@ -12,38 +12,13 @@ import sys
 
 from dspec import checkpoint
 from dspec.decoding.drafter import NoDrafter
+from dspec.drafter_kinds import KINDS
 
 # drafter name -> module in dspec.decoding.drafters whose `build(cfg, target)` makes it
-_BUILDERS = {
-    'ngram': 'ngram',
-    'suffix': 'suffix',
-    'oracle': 'oracle',
-    'self': 'self_draft',
-    'mtp': 'mtp',
-    'dflash': 'dflash',
-    'dspark': 'dspark',
-    'eagle3': 'eagle3',
-    'grammar': 'forced',
-}
+_BUILDERS = {kind.name: kind.drafter for kind in KINDS if kind.drafter}
+# Config defaults of every drafter (`cfg.drafters.<name>`, each with `num_draft`).
+DEFAULTS = {kind.name: kind.defaults for kind in KINDS if kind.drafter}
 
-# Config defaults of every drafter (`cfg.drafters.<name>`). `num_draft` is each one's
-# draft length γ; for learned drafters 0 means what the checkpoint was trained for (MTP:
-# every depth; DFlash: the trained block - 1; DSpark: the trained block; EAGLE-3: its
-# ttt_steps).
-DEFAULTS = {
-    'ngram': {'num_draft': 8, 'min_n': 1, 'max_n': 4},
-    'suffix': {'num_draft': 16, 'max_depth': 32, 'min_token_prob': 0.1,
-               'max_spec_factor': 1.0, 'max_spec_offset': 0.0, 'max_cached_requests': 1000},
-    'oracle': {'num_draft': 8, 'acceptance': [0.8]},
-    'self': {'num_draft': 4},
-    'mtp': {'path': '', 'num_draft': 0, 'sample_proposals': False, 'token_map': ''},
-    'dflash': {'path': '', 'num_draft': 0, 'denoise_steps': 1, 'shrink_block': False,
-               'attention_impl': 'xla'},
-    'dspark': {'path': '', 'num_draft': 0, 'verify_cost': 0.1, 'verify_budget': 0,
-               'shrink_block': False, 'attention_impl': 'xla'},
-    'eagle3': {'path': '', 'num_draft': 0, 'sample_proposals': True},
-    'grammar': {'num_draft': 16},   # structured output only: the tokens it forces
-}
 
 def known() -> list:
   return sorted(['none', *_BUILDERS])

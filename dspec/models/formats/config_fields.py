@@ -41,28 +41,16 @@ DECODER_FIELDS = HF_METADATA | {
 TARGET_FIELDS = DECODER_FIELDS | {'num_nextn_predict_layers'}
 
 # Every speculators config (`SpeculatorModelConfig`): the kind, its version, the draft layers
-# and the proposal / verifier record.
-_SPECULATORS_COMMON = HF_METADATA | {
+# and the proposal / verifier record. Each kind's reader adds its own fields
+# (`SPECULATORS_FIELDS` of formats.dflash, dspark, eagle3, mtp).
+SPECULATORS_COMMON_FIELDS = HF_METADATA | {
     'speculators_model_type', 'speculators_version', 'speculators_config',
     'transformer_layer_config', 'tie_word_embeddings',
 }
-_SPECULATORS_DFLASH = _SPECULATORS_COMMON | {
+# ... and of every DFlash-family one (dflash, dflash2, dspark).
+SPECULATORS_DFLASH_FIELDS = SPECULATORS_COMMON_FIELDS | {
     'draft_vocab_size', 'block_size', 'target_hidden_size', 'aux_hidden_state_layer_ids',
     'mask_token_id', 'sliding_window_non_causal', 'sample_from_anchor',
-}
-SPECULATORS_FIELDS = {
-    'eagle3': _SPECULATORS_COMMON | {
-        'draft_vocab_size', 'norm_before_residual', 'target_hidden_size',
-        'eagle_aux_hidden_state_layer_ids', 'norm_before_fc', 'fc_norm', 'norm_output',
-        'embed_requires_grad'},
-    'dflash': _SPECULATORS_DFLASH,
-    'dflash2': _SPECULATORS_DFLASH | {'conv_kernel_size', 'conv_group_size', 'selector_rank',
-                                      'selector_top_k'},
-    'dspark': _SPECULATORS_DFLASH | {
-        'markov_rank', 'markov_head_type', 'enable_confidence_head',
-        'confidence_head_with_markov', 'dspec_confidence_temperatures',
-        'dspec_greedy_confidence_temperatures'},
-    'mtp': _SPECULATORS_COMMON | {'num_nextn_predict_layers'},
 }
 # `speculators_config`: the proposal methods (the first one's `speculative_tokens` is the
 # trained draft length; its acceptance settings are serving policy, dspec verifies exactly)

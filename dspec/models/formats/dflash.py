@@ -36,7 +36,8 @@ from dspec.models.config import TransformerConfig
 from dspec.models.dflash import DFlashConfig, DFlashModel
 from dspec.models.dflash2 import DFlash2Config, DFlash2Model
 from dspec.models.formats import dspec_checkpoint
-from dspec.models.formats.config_fields import (DFLASH_LAYER_FIELDS, ZLAB_DRAFT_FIELDS,
+from dspec.models.formats.config_fields import (DFLASH_LAYER_FIELDS,
+                                                SPECULATORS_DFLASH_FIELDS, ZLAB_DRAFT_FIELDS,
                                                 ZLAB_FIELDS)
 from dspec.models.formats.drafter_dir import (ZLAB_ARCHITECTURES, ConfigKeys, FormatError,
                                               config_keys, fill_params, read_draft_layers,
@@ -44,7 +45,11 @@ from dspec.models.formats.drafter_dir import (ZLAB_ARCHITECTURES, ConfigKeys, Fo
                                               speculators_keys, verifier_depth)
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
 
-SPECULATORS_TYPES = ('dflash', 'dflash2')
+# speculators_model_type -> the fields its config may hold.
+SPECULATORS_FIELDS = {'dflash': SPECULATORS_DFLASH_FIELDS,
+                      'dflash2': SPECULATORS_DFLASH_FIELDS | {
+                          'conv_kernel_size', 'conv_group_size', 'selector_rank',
+                          'selector_top_k'}}
 _CLASSES = {'dflash': (DFlashModel, DFlashConfig), 'dflash2': (DFlash2Model, DFlash2Config)}
 _DFLASH2_KEYS = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 # speculators tensors that never belong to the draft body (the verifier's, reloaded).
@@ -198,12 +203,12 @@ def read_zlab(path, *, num_target_layers: Optional[int] = None, dtype: str = 'fl
   return build_drafter(*_CLASSES[kind], path, fields, shapes, tensor_files(path), overrides)
 
 
-def read_speculators_config(path: str, kinds: tuple, num_target_layers: Optional[int],
+def read_speculators_config(path: str, known: dict, num_target_layers: Optional[int],
                             dtype: str) -> tuple:
   """What every DFlash-family speculators config holds: (its ConfigKeys, its kind, the
   draft layers' TransformerConfig, the config fields of the layers, block, taps, mask
-  token and attention)."""
-  spec, kind = speculators_keys(path, kinds)
+  token and attention); `known` as `speculators_keys`'s `fields`."""
+  spec, kind = speculators_keys(path, known)
   depth = num_target_layers or verifier_depth(spec)
   if depth is None:
     raise spec.error('speculators_config.verifier.name_or_path', 'is not a readable '
@@ -231,7 +236,7 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
                      dtype: str = 'float32', **overrides) -> DFlashModel:
   """A drafter from a speculators directory (speculators_model_type dflash | dflash2)."""
   path = os.fspath(path)
-  spec, kind, shapes, fields = read_speculators_config(path, SPECULATORS_TYPES,
+  spec, kind, shapes, fields = read_speculators_config(path, SPECULATORS_FIELDS,
                                                        num_target_layers, dtype)
   if spec.get('sample_from_anchor', bool, False):
     raise spec.error('sample_from_anchor', 'is true (anchor-predicting blocks are not '
@@ -252,15 +257,19 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
 READERS = {'dspec': read_dspec, 'zlab': read_zlab, 'speculators': read_speculators}
 
 
-def load_dflash(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
+def load_dflash(path, *, num_target_layers: Optional[int] = None,
+                target_cfg: Optional[TransformerConfig] = None, dtype: str = 'float32',
                 **overrides) -> DFlashModel:
   """A DFlash / DFlash-2 drafter from a dspec checkpoint or a z-lab / speculators directory
   (`drafter_dir.detect`).
 
-  num_target_layers: the target's depth; checked against a z-lab config, needed by a
-  speculators config whose verifier directory is not readable. `overrides` replace config
-  fields (e.g. attention_impl); `dtype` is the parameter and compute dtype of imports.
+  num_target_layers: the target's depth (default: that of `target_cfg`, the target's
+  config); checked against a z-lab config, needed by a speculators config whose verifier
+  directory is not readable. `overrides` replace config fields (e.g. attention_impl);
+  `dtype` is the parameter and compute dtype of imports.
   """
+  if num_target_layers is None and target_cfg is not None:
+    num_target_layers = target_cfg.num_layers
   return read_drafter(path, READERS, num_target_layers=num_target_layers, dtype=dtype,
                       **overrides)
 

@@ -19,8 +19,7 @@ from dspec.config_checks import check_stored_config
 from dspec.errors import CheckpointError, UserError
 from dspec.models.config import TransformerConfig
 from dspec.models.formats.config_fields import (PROPOSAL_FIELDS, SPECULATORS_CONFIG_FIELDS,
-                                                SPECULATORS_FIELDS, VERIFIER_FIELDS,
-                                                unknown_fields)
+                                                VERIFIER_FIELDS, unknown_fields)
 from dspec.models.formats.hf_config import rope_theta
 from dspec.models.formats.safetensors_io import check_one_model, read_params, read_tensor
 
@@ -153,15 +152,16 @@ def config_keys(path: str) -> ConfigKeys:
   return ConfigKeys(read_json(file), file)
 
 
-def speculators_keys(path: str, kinds: tuple) -> tuple:
+def speculators_keys(path: str, fields: Mapping[str, frozenset]) -> tuple:
   """(`config_keys(path)`, its speculators_model_type), a FormatError unless that is one
-  of `kinds`."""
+  of `fields` (speculators_model_type -> the fields its config may hold)."""
   spec = config_keys(path)
   kind = spec.config.get('speculators_model_type')
+  kinds = tuple(fields)
   if kind not in kinds:
     raise spec.error('speculators_model_type', f'must be {" or ".join(map(repr, kinds))}, '
                      f'got {kind!r}')
-  spec.check_known(SPECULATORS_FIELDS[kind])
+  spec.check_known(fields[kind])
   if spec.get('tie_word_embeddings', bool, False):
     raise spec.error('tie_word_embeddings', 'is true: a speculators drafter\'s head is not '
                      'its embedding')

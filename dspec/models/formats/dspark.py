@@ -18,14 +18,20 @@ import os
 from typing import Optional
 
 from dspec.checkpoint import CheckpointError
+from dspec.models.config import TransformerConfig
 from dspec.models.dspark import DSparkConfig, DSparkModel
 from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.config_fields import SPECULATORS_DFLASH_FIELDS
 from dspec.models.formats.dflash import (SPECULATORS_IGNORED, build_drafter,
                                          check_exportable, qwen3_layer_config,
                                          read_speculators_config, torch_name)
 from dspec.models.formats.drafter_dir import FormatError, read_draft_vocab, read_drafter
 from dspec.models.formats.safetensors_io import stored_tensors, tensor_files, write_model_dir
 
+# speculators_model_type -> the fields its config may hold.
+SPECULATORS_FIELDS = {'dspark': SPECULATORS_DFLASH_FIELDS | {
+    'markov_rank', 'markov_head_type', 'enable_confidence_head', 'confidence_head_with_markov',
+    'dspec_confidence_temperatures', 'dspec_greedy_confidence_temperatures'}}
 _HEAD_KEYS = {'markov_head': 'markov_rank', 'confidence_head': 'enable_confidence_head'}
 
 
@@ -52,8 +58,8 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
                      dtype: str = 'float32', **overrides) -> DSparkModel:
   """A DSpark drafter from a speculators directory (speculators_model_type dspark)."""
   path = os.fspath(path)
-  spec, _, shapes, fields = read_speculators_config(path, ('dspark',), num_target_layers,
-                                                    dtype)
+  spec, _, shapes, fields = read_speculators_config(path, SPECULATORS_FIELDS,
+                                                    num_target_layers, dtype)
   tensors = tensor_files(path)
   vocab_size = spec.get('draft_vocab_size', int, shapes.vocab_size)
   if vocab_size != shapes.vocab_size:
@@ -86,10 +92,13 @@ def read_speculators(path, *, num_target_layers: Optional[int] = None,
 READERS = {'dspec': read_dspec, 'speculators': read_speculators}
 
 
-def load_dspark(path, *, num_target_layers: Optional[int] = None, dtype: str = 'float32',
+def load_dspark(path, *, num_target_layers: Optional[int] = None,
+                target_cfg: Optional[TransformerConfig] = None, dtype: str = 'float32',
                 **overrides) -> DSparkModel:
   """A DSpark drafter from a dspec checkpoint or a speculators directory; arguments as
   `formats.dflash.load_dflash`'s."""
+  if num_target_layers is None and target_cfg is not None:
+    num_target_layers = target_cfg.num_layers
   return read_drafter(path, READERS, num_target_layers=num_target_layers, dtype=dtype,
                       **overrides)
 

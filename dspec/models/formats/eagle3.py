@@ -36,7 +36,8 @@ from dspec.models.config import TransformerConfig
 from dspec.models.eagle3 import Eagle3Config, Eagle3Model, default_target_layer_ids
 from dspec.models.formats import dspec_checkpoint
 from dspec.models.formats.config_fields import (DECODER_FIELDS, EAGLE_CONFIG_FIELDS,
-                                                LEGACY_EAGLE3_FIELDS)
+                                                LEGACY_EAGLE3_FIELDS,
+                                                SPECULATORS_COMMON_FIELDS)
 from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
                                               fill_params, read_draft_layers,
                                               read_draft_vocab, read_drafter,
@@ -44,6 +45,11 @@ from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_ke
 from dspec.models.formats.safetensors_io import (open_safetensors, stored_tensors,
                                                  tensor_files, write_model_dir)
 
+# speculators_model_type -> the fields its config may hold.
+SPECULATORS_FIELDS = {'eagle3': SPECULATORS_COMMON_FIELDS | {
+    'draft_vocab_size', 'norm_before_residual', 'target_hidden_size',
+    'eagle_aux_hidden_state_layer_ids', 'norm_before_fc', 'fc_norm', 'norm_output',
+    'embed_requires_grad'}}
 _IGNORED = ('embed_tokens.weight', 'verifier_lm_head.weight', 'verifier_norm.weight',
             't2d', 'd2t')
 _EMBED = 'embed_tokens.weight'
@@ -118,7 +124,7 @@ def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
   """An EAGLE-3 drafter from a speculators directory (`taps` is not read: the config
   names them)."""
   del taps
-  spec, _ = speculators_keys(path, ('eagle3',))
+  spec, _ = speculators_keys(path, SPECULATORS_FIELDS)
   layer = ConfigKeys(spec.get('transformer_layer_config', dict, required=True), spec.file,
                      'transformer_layer_config.')
   layer.check_known(DECODER_FIELDS)

@@ -41,6 +41,7 @@ from flax import nnx
 
 from dspec.models.config import TransformerConfig
 from dspec.models.formats import dspec_checkpoint
+from dspec.models.formats.config_fields import SPECULATORS_COMMON_FIELDS
 from dspec.models.formats.drafter_dir import (ConfigKeys, FormatError, config_keys,
                                               fill_params, read_drafter, speculators_keys)
 from dspec.models.formats.hf_config import config_from_hf
@@ -48,6 +49,8 @@ from dspec.models.formats.safetensors_io import (read_tensor, stored_tensors, te
                                                  write_model_dir)
 from dspec.models.mtp import MTP, MTPConfig
 
+# speculators_model_type -> the fields its config may hold.
+SPECULATORS_FIELDS = {'mtp': SPECULATORS_COMMON_FIELDS | {'num_nextn_predict_layers'}}
 # Per-depth (non-block) leaves: dspec name -> (stored name, transposed).
 _DEEPSEEK_LEAVES = {
     'enorm.weight': ('enorm.weight', False), 'hnorm.weight': ('hnorm.weight', False),
@@ -128,7 +131,7 @@ def read_dspec(path, *, target_cfg: Optional[TransformerConfig] = None,
 def read_speculators(path, *, target_cfg: Optional[TransformerConfig] = None,
                      dtype: str = 'float32') -> MTP:
   """An MTP from a speculators `mtp` directory."""
-  spec, _ = speculators_keys(path, ('mtp',))
+  spec, _ = speculators_keys(path, SPECULATORS_FIELDS)
   layers = spec.get('num_nextn_predict_layers', int, 1)
   if layers != 1:
     raise spec.error('num_nextn_predict_layers', f'must be 1 (speculators\' MTP has one '

@@ -1,5 +1,6 @@
-"""The drafter kinds and their directory forms: how each kind loads (any form it reads,
-`drafter_dir.detect`) and which published forms dspec writes it in."""
+"""The learned drafter kinds and their directory forms: how each kind loads (any form it
+reads, `drafter_dir.detect`) and which published forms dspec writes it in (both from its
+registration in `dspec.drafter_kinds`)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,25 @@ import dataclasses
 from typing import Callable, Mapping
 
 from dspec import checkpoint
-from dspec.models.formats import dflash, dspark, eagle3, mtp
+from dspec.drafter_kinds import KINDS, resolve
 from dspec.models.formats.drafter_dir import ZLAB_ARCHITECTURES, form_of, read_config
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterFormats:
-  """load(path, **options) -> model, from any form the kind reads; writers: published
-  form -> save(path, model, *, dtype, force), the first one the default."""
+  """load(path, *, target_cfg=None, **options) -> model, from any form the kind reads;
+  writers: published form -> save(path, model, *, dtype, force), the first one the
+  default."""
 
   load: Callable
   writers: Mapping[str, Callable]
 
 
-DRAFTERS = {
-    'dflash': DrafterFormats(dflash.load_dflash, {'zlab': dflash.save_zlab}),
-    'dflash2': DrafterFormats(dflash.load_dflash, {'zlab': dflash.save_zlab}),
-    'dspark': DrafterFormats(dspark.load_dspark, {'speculators': dspark.save_speculators}),
-    'eagle3': DrafterFormats(eagle3.load_eagle3, {'speculators': eagle3.save_speculators}),
-    'mtp': DrafterFormats(mtp.load_mtp, {'speculators': mtp.save_speculators}),
-}
+_PACKAGE = 'dspec.models.formats'
+DRAFTERS = {kind.name: DrafterFormats(resolve(kind.load, _PACKAGE),
+                                      {form: resolve(save, _PACKAGE)
+                                       for form, save in kind.writers.items()})
+            for kind in sorted(KINDS, key=lambda k: k.name) if kind.learned}
 # The kind of every directory in a form that holds one kind only.
 _FORM_KINDS = {'deepseek': 'mtp', 'legacy': 'eagle3'}
 
