@@ -14,9 +14,8 @@ drafter), that drafter at each fixed γ of --gammas (built with `drafters.<name>
 a note) and at its configured num_draft under the load-aware controller, whose tiers are
 --tiers capped at that num_draft (as `runner.speculative_engine` builds it;
 `dspec/decoding/controller.py`; step costs profiled during the warm-up run, or read from
---cost_table). Host-side drafters (suffix) run the host loop; their controller row is the
-host loop with its AR fallback (as `runner.decode`). All drafters share one AR baseline per
-B. Times are medians of `timing_repeats` rounds after a warm-up (compile and profiling
+--cost_table); host-side drafters (suffix) too, with host-proposed steps as the positive
+tiers. All drafters share one AR baseline per B. Times are medians of `timing_repeats` rounds after a warm-up (compile and profiling
 excluded; every round's time is kept as `decode_s_rounds`), every method interleaved within
 each round. Speedup = tokens/s over AR's tokens/s (at T = 0 outputs equal AR's, so this is
 the decode-time ratio). `lossless` (greedy output == AR) is checked when greedy (T = 0),
@@ -207,7 +206,6 @@ def main(argv):
   from dspec.decoding import runner
   from dspec.decoding.controller import ControllerConfig, CostTable
   from dspec.decoding.drafters import registry
-  from dspec.decoding.host_loop import ARFallback
   from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
   from dspec.metrics import acceptance_metrics
 
@@ -227,8 +225,8 @@ def main(argv):
   stop_ids = tuple(tokenizer.stop_ids)
   engine = lambda d: runner.speculative_engine(graphdef, d, spec, stop_ids, verify_length='fixed')
 
-  # method -> (engine or controller, drafter params, host drafter?, host AR fallback)
-  methods = {'ar': (engine(drafter_lib.NoDrafter()), None, None, None)}
+  # method -> (engine or controller, drafter params, host drafter?)
+  methods = {'ar': (engine(drafter_lib.NoDrafter()), None, None)}
   info = {'ar': {'drafter': None, 'verify_length': 'fixed', 'num_draft': 0}}
   controllers, skipped, tiers_of = {}, {}, {}
   for name in names:
@@ -241,20 +239,16 @@ def main(argv):
         skipped[f'{name} γ={g}'] = str(e)
         print(f'skipping {name} γ={g}: {e}', flush=True)
         continue
-      methods[f'{name} γ={g}'] = (engine(fixed), fparams, host, None)
+      methods[f'{name} γ={g}'] = (engine(fixed), fparams, host)
       info[f'{name} γ={g}'] = {'drafter': name, 'verify_length': 'fixed', 'num_draft': g}
     gamma, auto = drafter.num_draft, f'{name} controller'
-    if host:   # the host loop, AR chunks while the drafter stops paying
-      e = engine(drafter)
-      methods[auto] = (e, dparams, True, ARFallback.of(e))
-    else:
-      tiers_of[name] = tuple(sorted({g for g in tier_flag if g < gamma} | {gamma, 0}))
-      path = _COSTS.value and _COSTS.value.replace('{drafter}', name)
-      costs = CostTable.load(path) if path and os.path.exists(path) else CostTable()
-      controllers[name] = (runner.speculative_engine(
-          graphdef, drafter, spec, stop_ids, cost_table=costs,
-          controller=ControllerConfig(tiers=tiers_of[name], objective=_OBJECTIVE.value)), path)
-      methods[auto] = (controllers[name][0], dparams, False, None)
+    tiers_of[name] = tuple(sorted({g for g in tier_flag if g < gamma} | {gamma, 0}))
+    path = _COSTS.value and _COSTS.value.replace('{drafter}', name)
+    costs = CostTable.load(path) if path and os.path.exists(path) else CostTable()
+    controllers[name] = (runner.speculative_engine(
+        graphdef, drafter, spec, stop_ids, cost_table=costs,
+        controller=ControllerConfig(tiers=tiers_of[name], objective=_OBJECTIVE.value)), path)
+    methods[auto] = (controllers[name][0], dparams, host)
     info[auto] = {'drafter': name, 'verify_length': 'auto', 'num_draft': gamma}
 
   rows = []
@@ -263,13 +257,15 @@ def main(argv):
         _prompts(cfg, tokenizer, b), tokenizer, target.cfg.vocab_size, max_seq_len,
         cfg.max_new_tokens))
     # A private suffix cache per method and B: no run drafts from its own earlier answers.
-    factories = {m: drafter_lib.host_drafter_factory(e.drafter, private=True)
-                 for m, (e, _, host, _) in methods.items() if host}
+    for e, _, host in methods.values():
+      if host:
+        (e.host if e.adaptive else e).use_factory(
+            drafter_lib.host_drafter_factory(e.drafter, private=True))
     # Warm-up (compile; the controllers profile), then timed rounds with the methods
     # interleaved so that load drift on a shared machine hits them alike.
     timed = dict(zip(methods, runner.timed_generations(
-        [runner.Generation(e, params, dparams, factories.get(m), fallback)
-         for m, (e, dparams, _, fallback) in methods.items()], prompt_BP, lens_B, settings)))
+        [runner.Generation(e, params, dparams) for e, dparams, _ in methods.values()],
+        prompt_BP, lens_B, settings)))
     ar_ids = generated_ids(timed['ar']['state'])
     block = []
     for m, (e, *_rest) in methods.items():

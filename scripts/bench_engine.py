@@ -188,10 +188,9 @@ def main(argv):
   n = _NEW_TOKENS.value
   stop_ids = tuple(tokenizer.stop_ids) if _CHECKPOINT.value else ()
 
-  def run(engine, dparams=None, host_factory=None):
+  def run(engine, dparams=None):
     settings = runner.Settings(max_new_tokens=n)
-    go = lambda: runner.run_generation(engine, params, dparams, prompt, lens, settings,
-                                       host_factory)[0]
+    go = lambda: runner.run_generation(engine, params, dparams, prompt, lens, settings)[0]
     state = go()
     t = median_time(go, repeats=_REPEATS.value, warmup=0)
     return state, t
@@ -247,12 +246,12 @@ def main(argv):
                      'measured_over_model': measured / modelled})
   result['oracle_overhead'] = overhead
 
-  drafters = {'ngram': (NgramDrafter(num_draft=g, min_n=1, max_n=4), None),
-              'suffix': (SuffixDrafter(num_draft=16, use_global_cache=False), 'host')}
+  drafters = {'ngram': NgramDrafter(num_draft=g, min_n=1, max_n=4),
+              'suffix': SuffixDrafter(num_draft=16, use_global_cache=False)}
   result['training_free'] = {}
-  for name, (drafter, mode) in drafters.items():
+  for name, drafter in drafters.items():
     engine = speculative_engine(graphdef, drafter, stop_ids=stop_ids, verify_length='fixed')
-    state, t_total = run(engine, None, drafter.host_drafter_factory() if mode else None)
+    state, t_total = run(engine)
     lossless = np.array_equal(np.asarray(state.tokens_BL)[0, :lens[0] + new],
                               np.asarray(ar_state.tokens_BL)[0, :lens[0] + new])
     m = acceptance_metrics(state.stats)

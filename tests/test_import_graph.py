@@ -17,7 +17,8 @@ PACKAGES = ('dspec', 'pallas_kernels')
 LAYERS = (
     ('kernels', ('pallas_kernels.*',)),
     ('base', ('dspec.errors', 'dspec.files', 'dspec.pytrees', 'dspec.console',
-              'dspec.compiled_programs', 'dspec.metrics')),
+              'dspec.compiled_programs', 'dspec.metrics',
+              'dspec.drafter_kinds')),   # the drafter kinds' table: names, imports nothing
     ('core', ('dspec.checkpoint', 'dspec.config_checks', 'dspec.sampling', 'dspec.tokenizer',
               'dspec.datasets', 'dspec.distributed')),
     ('models', ('dspec.models.*',)),
@@ -157,12 +158,14 @@ def test_no_module_imports_a_higher_layer():
   assert not upward, 'imports from a lower layer to a higher one:\n' + '\n'.join(upward)
 
 
-ENGINES = ('SpeculativeEngine', 'TreeEngine', 'VerifyLengthController', 'ShardedEngine')
+ENGINES = ('SpeculativeEngine', 'TreeEngine', 'VerifyLengthController', 'ShardedEngine',
+           'HostEngine')
 # Where an engine may be constructed: the builder, and the controller it builds, which
-# makes its own tier engines.
+# makes its own tier engines (a host engine's tiers share its session: `with_width`).
 ENGINE_BUILDERS = {('dspec/decoding/runner.py', 'speculative_engine'),
                    ('dspec/decoding/controller.py', '__init__'),
-                   ('dspec/decoding/controller.py', 'make')}
+                   ('dspec/decoding/controller.py', 'make'),
+                   ('dspec/decoding/host_loop.py', 'with_width')}
 
 
 class _EngineCalls(ast.NodeVisitor):

@@ -870,10 +870,6 @@ _BAD_CONTROLLER_KNOBS = [
     (dict(profile_repeats=0), r'controller.profile_repeats must be in \[1,'),
     (dict(shadow_budget=math.nan), 'controller.shadow_budget must be a finite number'),
     (dict(shadow_warmup=-1), r'controller.shadow_warmup must be in \[0,'),
-    (dict(host_patience=0), r'controller.host_patience must be in \[1,'),
-    (dict(host_chunk=8, host_max_chunk=4),
-     'controller.host_chunk=8 must be <= controller.host_max_chunk=4'),
-    (dict(host_walk_tail=0), r'controller.host_walk_tail must be in \[1,'),
 ]
 
 

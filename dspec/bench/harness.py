@@ -11,9 +11,9 @@ machine's drift falls on AR and the methods alike. Engines are built once per me
 size × verify length × sampling spec and reused across datasets.
 
 Verify length (`bench.verify_lengths`, empty: the config's `verify_length`), as the decode
-CLI and the API choose it (`runner.speculative_engine`): 'auto' runs device drafters under
-the load-aware controller (tiers up to num_draft, tier 0 plain AR) and host drafters
-(suffix) with the AR fallback engine of the host loop; 'fixed' verifies every proposal.
+CLI and the API choose it (`runner.speculative_engine`): 'auto' runs drafters under
+the load-aware controller (tiers up to num_draft, tier 0 plain AR; host drafters such as
+suffix too); 'fixed' verifies every proposal.
 A method may be a variant (`bench.variants`): a label for a registry drafter with other
 sub-config values (DFlash-2 checkpoints load through the `dflash` drafter). A method whose
 checkpoint path is empty or not a directory is skipped with the reason (meta.json).
@@ -37,9 +37,7 @@ Row metrics:
   verify_length      'auto' | 'fixed' (None for AR)
   tier_steps         auto: {tier: verify steps summed over the rows of every batch} of the
                      last timed run of each batch (filler rows of a last partial batch
-                     included); controller tiers, or for host drafters {0: AR-fallback
-                     steps, num_draft: host-proposal steps; `CountingFallback`}. None in
-                     fixed mode and for AR.
+                     included). None in fixed mode and for AR.
                      Under auto, tau and the acceptance curves pool every tier's steps
                      (a tier-γ step cannot accept past position γ; tier 0 accepts nothing).
   draft_over_verify  with `bench.draft_cost_repeats` > 0: `draft_cost.draft_vs_verify` (draft
@@ -65,8 +63,6 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -77,8 +73,6 @@ from dspec.errors import UserError
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
 from dspec.decoding.drafters import registry
-from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import ARFallback
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
 from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
 _STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B',
@@ -144,62 +138,12 @@ class RunResult:
       self.tier_steps[int(g)] = self.tier_steps.get(int(g), 0) + int(n)
 
 
-@jax.jit
-def _step_counts(steps_B, done_B):
-  """(row-steps run so far, live rows) of a state, on device."""
-  return jnp.sum(steps_B), jnp.sum(~done_B)
-
-
-class CountingFallback(ARFallback):
-  """The host loop's AR fallback, counting the row-steps it runs. The counts stay on
-  device until `steps()` (after the generation): no extra host sync inside the loop, and
-  no compile there either (`_step_counts` compiles in `price`, before the loop: a compile
-  inside it lands in the step and AR timings that price the next steps; seen as a 434 ms
-  "step" that kept a generation's loop from ever speculating)."""
-
-  def __init__(self, engine: SpeculativeEngine):
-    super().__init__(engine)
-    self.marks = []   # (row-steps before, rows stepped by a try in the call, after)
-
-  def price(self, engine, target_params, drafter_params, state, ar_steps: int = 8) -> None:
-    jax.block_until_ready(_step_counts(state.stats.steps_B, state.done_B))
-    super().price(engine, target_params, drafter_params, state, ar_steps)
-
-  def run(self, target_params, drafter_params, state, max_steps=None, **kw):
-    before, _ = _step_counts(state.stats.steps_B, state.done_B)   # before `run` donates it
-    state = self.engine.run(target_params, drafter_params, state, max_steps, **kw)
-    self.marks.append((before, 0, _step_counts(state.stats.steps_B, state.done_B)[0]))
-    return state
-
-  def try_then_run(self, engine, target_params, drafter_params, state, proposal,
-                   max_steps: int):
-    before, live = _step_counts(state.stats.steps_B, state.done_B)
-    state, paid = super().try_then_run(engine, target_params, drafter_params, state,
-                                       proposal, max_steps)
-    self.marks.append((before, live, _step_counts(state.stats.steps_B, state.done_B)[0]))
-    return state, paid
-
-  def steps(self) -> int:
-    return int(sum(after - before - tried
-                   for before, tried, after in jax.device_get(self.marks)))
-
-
 @dataclasses.dataclass
 class Engines:
-  """What one method × size × verify length runs on: the engine (a controller under auto
-  for device drafters) and, for host drafters under auto, the AR fallback."""
+  """What one method × size × verify length runs on (a controller under auto)."""
 
   engine: object
   verify_length: Optional[str] = None       # None: AR
-  fallback: Optional[CountingFallback] = None
-
-
-def _counting(host_factory, fallback: CountingFallback):
-  """`host_factory` that first clears `fallback`'s counts: they count the last generation."""
-  def factory():
-    fallback.marks = []
-    return host_factory()
-  return factory
 
 
 def run_batches(runs: Sequence[tuple], target_params, batches: list,
@@ -211,16 +155,15 @@ def run_batches(runs: Sequence[tuple], target_params, batches: list,
   `on_ar_state(i, state, batch)` sees AR's state of batch i."""
   results, generations = [], []
   for engines, drafter_params, host_factory in runs:
-    engine, fallback = engines.engine, engines.fallback
+    engine = engines.engine
     result = RunResult(engine.num_draft, engine.drafter.samples_proposals,
                        engines.verify_length)
-    if engine.adaptive or fallback is not None:
+    if engine.adaptive:
       result.tier_steps = {}
-    if fallback is not None:
-      host_factory = _counting(host_factory, fallback)
+    if host_factory is not None:   # this run's own cross-request cache
+      (engine.host if engine.adaptive else engine).use_factory(host_factory)
     results.append(result)
-    generations.append(runner.Generation(engine, target_params, drafter_params,
-                                         host_factory, fallback))
+    generations.append(runner.Generation(engine, target_params, drafter_params))
   for i, batch in enumerate(batches):
     timed = runner.timed_generations(generations, batch.prompt_BP, batch.lens, settings)
     for (engines, _, _), result, run in zip(runs, results, timed):
@@ -232,7 +175,7 @@ def run_batches(runs: Sequence[tuple], target_params, batches: list,
 
 def _record(result: RunResult, engines: Engines, timed: dict, rows: int) -> None:
   """Adds one batch's timed generation (its first `rows` rows) to `result`."""
-  state, engine, fallback = timed['state'], engines.engine, engines.fallback
+  state, engine = timed['state'], engines.engine
   generated = np.asarray(state.num_tokens_B) - np.asarray(state.prompt_len_B)
   result.decode_s.append(timed['decode_s'])
   result.decode_s_rounds.append(timed['decode_s_rounds'])
@@ -242,10 +185,6 @@ def _record(result: RunResult, engines: Engines, timed: dict, rows: int) -> None
   result.compile_s += timed['compile_s']
   if engine.adaptive:
     result.add_tier_steps(engine.tier_steps())
-  elif fallback is not None:
-    ar_steps = fallback.steps()
-    result.add_tier_steps({0: ar_steps, engine.num_draft:
-                           int(np.asarray(state.stats.steps_B).sum()) - ar_steps})
 
 
 def verify_lengths(cfg) -> tuple:
@@ -417,10 +356,7 @@ class Benchmark:
     if (key, verify_length, spec) not in self.engines:
       engine = runner.speculative_engine(self.graphdef, drafter, spec, self.stop_ids,
                                          verify_length=verify_length or 'fixed')
-      fallback = None
-      if verify_length == 'auto' and drafter_lib.host_drafter_factory(drafter):
-        fallback = CountingFallback.of(engine)
-      self.engines[key, verify_length, spec] = Engines(engine, verify_length, fallback)
+      self.engines[key, verify_length, spec] = Engines(engine, verify_length)
     return self.engines[key, verify_length, spec]
 
   def _draft_cost(self, key, drafter, params, settings: runner.Settings,

@@ -17,12 +17,14 @@ equals (T = 0) or matches in distribution (T > 0).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from dspec.decoding.host_loop import read_back, verify_width
+from dspec.decoding.host_loop import HostEngine, verify_width
 from dspec.decoding.prompts import row_tokens
 from dspec.decoding.state import Proposal, StepMasks
 from dspec.decoding.tree_engine import TreeEngine
@@ -45,10 +47,13 @@ class Constrained:
 
 
 def generate_constrained(engine, target_params, drafter_params, state,
-                         rows: RowConstraints, host_drafter=None):
+                         rows: RowConstraints):
   """Decodes `state` (a prefill whose first tokens `rows.next_masks()` restricted) to the
-  end under `rows`' constraints; returns the final state. host_drafter: a `HostDrafter`
-  (already started) proposing instead of the device drafter."""
+  end under `rows`' constraints; returns the final state. A `HostEngine`'s host drafter
+  (started by its prefill) proposes instead of the device drafter."""
+  host = engine if isinstance(engine, HostEngine) else None
+  host_drafter = host and host.session.drafter
+  engine = host.engine if host else engine
   tokens, num, done, prompt_len_B, max_new = jax.device_get((
       state.tokens_BL, state.num_tokens_B, state.done_B, state.prompt_len_B,
       state.max_new_tokens))
@@ -88,8 +93,8 @@ def generate_constrained(engine, target_params, drafter_params, state,
     state = engine.masked_step(target_params, drafter_params, state, proposal, masks,
                                synced=synced)
     num, done = _commit(state, sequences, num, width, rows)
-  if host_drafter is not None:
-    host_drafter.finish(sequences)
+  if host is not None:
+    host.finish(state)
   return state
 
 
@@ -97,6 +102,24 @@ def _commit(state, sequences, num, width: int, rows: RowConstraints) -> tuple:
   """Reads the step's committed tokens back into `sequences` and advances the matchers by
   them; returns (tokens per row, done per row)."""
   before = num
-  num, done = read_back(state, sequences, num, width)
+  num, done = _read_back(state, sequences, num, width)
   rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])
   return num, done
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _committed_since(state, since_B, width: int):
+  """(tokens at since_B + 0..width-1 [B, width], num_tokens_B, done_B)."""
+  b, length = state.tokens_BL.shape
+  idx_BW = jnp.minimum(since_B[:, None] + jnp.arange(width)[None, :], length - 1)
+  return state.tokens_BL[jnp.arange(b)[:, None], idx_BW], state.num_tokens_B, state.done_B
+
+
+def _read_back(state, sequences, num, width: int) -> tuple:
+  """Appends what was committed since `num` (at most `width` per row) to `sequences`;
+  returns (num, done)."""
+  new_BW, new_num, done = jax.device_get(
+      _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
+  for b, seq in enumerate(sequences):
+    seq.extend(new_BW[b, :new_num[b] - num[b]].tolist())
+  return new_num, done

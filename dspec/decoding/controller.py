@@ -1,47 +1,25 @@
-"""Load-aware verify-length controller: the I/O around `policy.decide`.
+"""Load-aware verify length: the one host driver around `policy.decide`.
 
-Speculation pays at low load and costs at high load: a verify of γ+1 tokens per row is
-nearly free when decoding is memory-bound (batch 1) and costs ~γ+1 times an AR step once
-it is compute-bound (large batch, CPU). Following SGLang's adaptive mode (one compiled
-program per tier) and DSpark's load-aware scheduler (maximise τ × steps/s), the
-controller keeps an `AcceptanceEstimate` (`estimate.py`: per-row EMA of the conditional
-acceptance α_rj and of the proposal rate π_r) and a step-cost table (`costs.py`: profiled
-at start-up by timing each tier's drafting step on the real state, `force_wide`, or
-loaded from JSON), and before every chunk asks `policy.decide` (pure, unit-tested) for
-the tier maximising expected committed tokens per second
+Speculation pays when a verify of γ + 1 tokens costs about one AR step (memory-bound, low
+load) and costs once it is compute-bound (large batch, CPU). As SGLang's adaptive mode
+(one compiled program per tier) and DSpark's load-aware scheduler (maximise τ × steps/s),
+the controller keeps an `AcceptanceEstimate` and a step-cost table (`costs.py`, profiled
+at start-up or cached) and before every chunk asks `policy.decide` for the tier (0 is
+plain AR), the chunk's length and the evidence it gathers. Evidence sources: the
+verified steps' acceptance counts, device shadow proposals (`estimate.shadow_proposal`),
+the retrospective judge (`estimate.retrospective_match`) and its host twin for drafters
+proposing on the host (`host_loop.HostSession.judge`; their positive tiers are
+`HostEngine`s, so their fallback is tier 0 of this policy). Every tier runs a verified
+step: the output is exact at every tier switch.
 
-  E(γ) = Σ_{live r} min(1 + π_r Σ_{k≤γ} Π_{j≤k} α_rj, remaining_r) / c(B, γ),
-
-the chunk's length and the evidence it gathers (`policy.py` lists the modes: shadow
-drafts, retrospective judging, first look, probes, growth, plain AR).
-
-Tier 0 is plain AR: the drafter proposes nothing and `idle_update`s its state (MTP,
-EAGLE-3 and the DFlash family only record the target's features, and catch their caches up
-when a positive tier or a shadow proposal next needs them; a shadow proposal's caught-up
-state is kept). Every tier runs the same verified speculative step, so the output is
-lossless by construction: greedy output equals AR, token for token. Each chunk runs inside
-one jitted `lax.while_loop` and its counters are read back once. The probe interval and
-the pooled acceptance of a batch size carry over to the next generation, as a server's
-adaptive state does. Drafters are rebuilt per tier with `drafter.with_num_draft(γ)`; when
-the rebuilt drafter's state differs from the largest tier's (MTP caches one layer per
-depth) the largest tier's drafter is used with its proposal truncated to γ
-(`TruncatedDrafter`). The drafter's `set_verify_cost` (DSpark's per-row verify lengths)
-gets λ(B) = `CostTable.verify_cost`, the marginal cost of one more verified draft.
-
-With a `TreeConfig` (verify_length 'auto_tree') the positive tiers are node budgets: tier g
-verifies a token tree of g drafted nodes (g + 1 with the anchor; `TreeEngine`, one compiled
-program per budget) on the full drafter, and accepts at most its depth min(g, num_draft)
-of them, which is what E and the payable test count; tier 0 is AR as above. Every tier is
-a verified step, so the output stays exact. The estimate's α_j is then the conditional
-acceptance at depth j of whatever was verified (the trees' accepted paths, shadow chains at
-tier 0), and each budget's realised ratio corrects its prediction.
+With a `TreeConfig` ('auto_tree') the positive tiers are node budgets: tier g verifies a
+tree of g drafted nodes (`TreeEngine`), of which a step accepts at most its depth.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from typing import Optional, Tuple
 
@@ -52,11 +30,12 @@ from dspec import distributed
 from dspec.compiled_programs import ProgramCache
 from dspec.decoding import costs as costs_lib
 from dspec.decoding.costs import CostTable
-from dspec.decoding.drafter import NoDrafter, TruncatedDrafter
+from dspec.decoding.drafter import NoDrafter, TruncatedDrafter, host_drafter_factory
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, shadow_match,
                                      shadow_proposal)
-from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
+from dspec.decoding.host_loop import HostEngine
+from dspec.decoding.policy import ControllerConfig, PolicyState, decide
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
@@ -64,96 +43,61 @@ from dspec.sampling import SamplingSpec
 
 
 class VerifyLengthController:
-  """Drop-in for a SpeculativeEngine in `runner.run_generation`: `prefill` then
-  `generate`, which chooses a tier per decision. `last_trace` lists (tier, steps, s).
-  With a mesh `placement` every tier's engine is a `ShardedEngine`; with `tree` the
-  positive tiers are node budgets (module docstring; one device). `profiled`: tables
-  profiled before, by `costs.fingerprint`, read and extended (`_profile_or_load`)."""
+  """The engine protocol (`prefill`, `generate`) choosing a tier per chunk; `last_trace`
+  lists (tier, row-steps, seconds). `placement`: every tier sharded over a mesh; `tree`:
+  node-budget tiers; `profiled`: tables by `costs.fingerprint`, shared across
+  controllers (`runner.decode` builds one per call)."""
 
-  adaptive = True   # the engine protocol: picks its verify length (`tier_steps`)
+  adaptive = True
 
   def __init__(self, target_graphdef, drafter, *, sampling: SamplingSpec = SamplingSpec(),
                stop_ids: Tuple[int, ...] = (), config: ControllerConfig = ControllerConfig(),
                cost_table: Optional[CostTable] = None, trace: bool = False,
                placement=None, tree: Optional[TreeConfig] = None,
                profiled: Optional[dict] = None):
-    if tree is not None and trace:
-      raise ValueError('verify_length=auto_tree records no trace (--trace_json: use tree or '
-                       'auto)')
-    if tree is not None and placement is not None:
-      raise ValueError('verify_length=auto_tree runs on one device (no --config.mesh)')
-    self.config = config
-    self.placement = placement
-    self.drafter = drafter
-    self.tree = tree
+    self.config, self.placement, self.drafter, self.tree = config, placement, drafter, tree
+    self.trace = trace
     self.costs = cost_table or CostTable()
-    # Tables by `costs.fingerprint`; `runner.decode` shares `costs.PROFILED` across its
-    # controllers (one per call), so that calls in one shape bucket profile once.
     self._profiled = {} if profiled is None else profiled
-    tiers = {}
-    for g in config.tiers:
-      d = drafter if tree and g else tier_drafter(drafter, g)
-      if d is not None:
-        tiers[g] = d
+    tiers = {g: drafter if tree and g else tier_drafter(drafter, g) for g in config.tiers}
+    tiers = {g: d for g, d in tiers.items() if d is not None}
     if len(tiers) < 2 or 0 not in tiers:
       raise ValueError(f'controller: drafter {type(drafter).__name__} supports too few of '
                        f'the tiers {config.tiers} (need 0 and one positive tier)')
-    # The most drafts a step can accept (a tree tier: its depth, at most num_draft).
     self.max_gamma = drafter.num_draft if tree else max(tiers)
     self.depths = {g: min(g, self.max_gamma) for g in tiers} if tree else {}
-    def make(d):
+
+    def make(d, traced=trace, placed=True):
       engine = SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
-                                 stop_ids=stop_ids, trace=trace)
-      return ShardedEngine(engine, placement) if placement else engine
+                                 stop_ids=stop_ids, trace=traced and not tree)
+      return ShardedEngine(engine, placement) if placement and placed else engine
 
     self._make = make
-    # The largest chain: prefill, shadow proposals (a tree tier drafts on its drafter).
-    self._chain = make(drafter) if tree else None
-    self._checked = tree is not None   # every tree tier keeps the full drafter's state
-    engines = {g: self._make(d) for g, d in tiers.items()}
-    if tree:
-      proposer = drafter.tree_proposer(tree.top_k)
-      engines.update({g: TreeEngine(self._chain, proposer, g + 1, max_depth=self.depths[g])
+    largest = tiers[self.max_gamma] if not tree else drafter
+    factory = host_drafter_factory(largest)
+    self.host = HostEngine(make(largest), factory) if factory else None
+    self._chain = make(drafter) if tree else self.host   # prefills (and drafts shadows)
+    self._checked = tree is not None or self.host is not None   # tiers share one state
+    engines = {g: self.host.with_width(g) if self.host and g else make(d)
+               for g, d in tiers.items()}
+    if tree:   # each tree tier placed as a whole (its program drafts and verifies)
+      chain, proposer = make(drafter, placed=False), drafter.tree_proposer(tree.top_k)
+      engines.update({g: TreeEngine(chain, proposer, g + 1, self.depths[g], trace)
                       for g in tiers if g})
+      if placement:
+        engines.update({g: ShardedEngine(e, placement) for g, e in engines.items() if g})
     self._set_engines(engines)
-    self.last_trace = []
-    self.row0_tiers = []    # the tier of each of row 0's verify steps (last `generate`)
+    self.last_trace, self.row0_tiers = [], []
     self._probe_every = {}  # batch size -> tier-0 probe interval, kept across generations
     self._carried = {}      # batch size -> pooled (α_G, π) at the end of the last one
 
   def _set_engines(self, engines):
-    """Engines per tier (each runs its chunks through `engine.run`)."""
     self.engines = engines
-    # No tier can pay at this batch size: plain AR steps, no taps and no drafter update
-    # (nothing will be proposed for the rest of the generation).
-    self._plain_ar = self._make(NoDrafter())
-
-  def _shadow(self, target_params, drafter_params, state):
-    """`shadow_proposal` of the largest tier, jitted per engine and shape (not per
-    controller: `runner.decode` builds one per call)."""
-    chain = self._largest_chain
-    fn = _shadow_programs(chain, state.tokens_BL.shape)['shadow']
-    return self._on_mesh(fn)(target_params, drafter_params, state)
-
-  def _on_mesh(self, fn):
-    """`fn` called under the placement's mesh (kernels see it while tracing)."""
-    if self.placement is None:
-      return fn
-
-    def on_mesh(*args):
-      with self.placement.context():
-        return fn(*args)
-    return on_mesh
-
-  def _put(self, x):
-    """A host array on device (replicated over the mesh, if any)."""
-    if self.placement is None:
-      return jax.device_put(x)
-    return jax.device_put(x, self.placement.shardings(jax.sharding.PartitionSpec()))
+    # Nothing will be proposed before the batch ends: AR steps with no taps or updates.
+    self._plain_ar = self._make(NoDrafter(), False)
 
   @property
   def _largest_chain(self):
-    """The chain engine of the most drafts (a tree controller's own chain)."""
     return self.engines[self.max_gamma] if self._chain is None else self._chain
 
   @property
@@ -171,186 +115,134 @@ class VerifyLengthController:
   def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int:
     return self._largest_chain.buffer_len(prompt_len, max_new_tokens)
 
-  # --------------------------------------------------------------------- set-up
+  def _on_mesh(self, fn):
+    """`fn` called under the placement's mesh (kernels see it while tracing)."""
+    if self.placement is None:
+      return fn
+
+    def on_mesh(*args):
+      with self.placement.context():
+        return fn(*args)
+    return on_mesh
+
+  def _shadow(self, target_params, drafter_params, state):
+    fn = _shadow_programs(self._largest_chain, state.tokens_BL.shape)['shadow']
+    return self._on_mesh(fn)(target_params, drafter_params, state)
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
-    """The largest tier's prefill, with stats wide enough for every tier."""
-    state = self._largest_chain.prefill(target_params, drafter_params, prompt_BP,
-                                        prompt_len_B, **kw)
-    if not self._checked:
-      self._share_state(target_params, drafter_params, prompt_BP.shape, state)
+    """The largest tier's prefill (with a trace: the largest tree's)."""
+    first = self.engines[max(self.engines)] if self.tree and self.trace else self._largest_chain
+    state = first.prefill(target_params, drafter_params, prompt_BP, prompt_len_B, **kw)
+    for engine in self.engines.values():   # every host tier's verify widths, compiled now
+      if isinstance(engine, HostEngine):
+        engine.warm(target_params, drafter_params, state)
+    if not self._checked:   # tiers whose drafter keeps another state truncate the largest
+      ref, engines = self.engines[self.max_gamma].drafter, dict(self.engines)
+      for g, engine in self.engines.items():
+        if g not in (0, self.max_gamma) and not same_drafter_state(
+            engine, target_params, drafter_params, prompt_BP.shape, state):
+          engines[g] = self._make(TruncatedDrafter(ref, g))
+      engines[0] = self._make(TruncatedDrafter(ref, 0))
+      self._set_engines(engines)
+      self._checked = True
     return state
 
-  def _share_state(self, target_params, drafter_params, prompt_shape, state):
-    """Tiers whose rebuilt drafter keeps a different state truncate the largest one."""
-    ref = self.engines[self.max_gamma].drafter
-    engines = dict(self.engines)
-    for g, engine in self.engines.items():
-      if g not in (0, self.max_gamma) and not same_drafter_state(
-          engine, target_params, drafter_params, prompt_shape, state):
-        engines[g] = self._make(TruncatedDrafter(ref, g))
-    engines[0] = self._make(TruncatedDrafter(ref, 0))
-    self._set_engines(engines)
-    self._checked = True
-
   def profile(self, target_params, drafter_params, state) -> CostTable:
-    """Times every tier's step on copies of `state` (compiling first), and the largest
-    tier's proposal alone; fills the table. Positive tiers verify their full width even
-    where the drafter proposes nothing (`force_wide`): the table holds what a drafting step
-    costs, and `step_cost` what a step costs given how often rows propose. The meta holds
-    the buffer length and the fewest steps a timed run ran (rows finish)."""
-    b = state.tokens_BL.shape[0]
-    steps = self.config.profile_steps
-    propose = lambda: self._shadow(target_params, drafter_params, state)
-    jax.block_until_ready(propose())
-    t0 = time.perf_counter()
-    jax.block_until_ready([propose() for _ in range(self.config.profile_steps)])
-    self.costs.propose[b] = (time.perf_counter() - t0) / self.config.profile_steps
-    # Compiled here, not in the first generation that runs plain AR to the end.
-    jax.block_until_ready(self._plain_ar.run(target_params, drafter_params,
-                                             jax.tree.map(lambda x: x.copy(), state), 1))
-    best, fewest = {}, steps
-    for r in range(self.config.profile_repeats + 1):   # round 0 compiles; rounds
-      for g in self.tiers:                             # interleave tiers against drift
-        copy = jax.tree.map(lambda x: x.copy(), state)
-        t0 = time.perf_counter()
-        out = self.engines[g].run(target_params, drafter_params, copy, steps,
-                                  force_wide=g > 0)
-        done = int(distributed.host_values(out.step - state.step))
-        if r:
-          seconds = (time.perf_counter() - t0) / max(done, 1)
-          best[g] = min(best.get(g, float('inf')), seconds)
-          fewest = min(fewest, done)
-    self.costs.costs.update({(b, g): c for g, c in best.items()})
-    self.costs.meta.update(buffer_len=int(state.tokens_BL.shape[1]), fewest_steps=fewest)
-    return self.costs
-
-  def _profile_or_load(self, target_params, drafter_params, state) -> None:
-    """The table of this model, drafter and state shape on this device: one profiled
-    before (`profiled`), else the one cached beside the XLA cache (`costs.cached_path`),
-    else `profile`, then kept in both unless some tier's timed run ran no step (every row
-    done: an immediate stop token), whose table serves this generation only."""
-    setup = (self.drafter, self.tiers, self.tree, self.sampling, self.config.profile_steps,
-             self.config.profile_repeats,
-             self.placement and dict(self.placement.mesh.shape))
-    arrays = (target_params, drafter_params, state)
-    key = costs_lib.fingerprint(setup, arrays)
-    path = None if distributed.active() else costs_lib.cached_path(setup, arrays)
-    b = state.tokens_BL.shape[0]
-    if key in self._profiled:
-      self.costs.update(self._profiled[key])
-    elif path and os.path.exists(path):
-      try:
-        self.costs.update(CostTable.load(path))
-      except ValueError:   # a damaged cache entry: profiled again below, and rewritten
-        pass
-    if self.costs.has(b, self.tiers):
-      self._profiled.setdefault(key, self.costs.of_batch(b))
-      return
-    self.profile(target_params, drafter_params, state)
-    if distributed.active():   # every process decides from process 0's timings
-      shared = distributed.broadcast_json(
-          [[[b, g, c] for (b, g), c in self.costs.costs.items()], self.costs.propose[b],
-           self.costs.meta['fewest_steps']])
-      self.costs.costs.update({(b, g): c for b, g, c in shared[0]})
-      self.costs.propose[b] = shared[1]
-      self.costs.meta['fewest_steps'] = shared[2]
-    if self.costs.meta['fewest_steps'] == 0:
-      return
-    self._profiled[key] = self.costs.of_batch(b)
-    if path:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      self._profiled[key].save(path)
-
-  # --------------------------------------------------------------------- decoding
+    """Times every tier's step and the largest tier's proposal (`costs.profile`)."""
+    if self.host is not None:
+      live_B = ~distributed.host_values(state.done_B)
+      propose = lambda: self.host.session.drafter.propose(self.host.session.sequences, live_B)
+    else:
+      propose = lambda: self._shadow(target_params, drafter_params, state)
+    return costs_lib.profile(self.engines, propose, self._plain_ar,
+                             (target_params, drafter_params), state,
+                             self.config.profile_steps, self.config.profile_repeats,
+                             self.costs)
 
   def generate(self, target_params, drafter_params, state, between_chunks=None):
-    """Runs chunks of steps until every row is done, each as `policy.decide` says: the
-    tier, the chunk's length, and whether a shadow proposal of the largest tier is judged
-    against what the chunk commits (before it, or in retrospect after it).
-    between_chunks: `state -> (state, rows changed)` after every chunk (continuous
+    """Runs chunks until every row is done, each as `decide` says, reading back once per
+    chunk. between_chunks: `state -> (state, rows changed)` after every chunk (continuous
     batching refills finished rows there, `batching.serve`)."""
     b = state.tokens_BL.shape[0]
+    params = (target_params, drafter_params)
     if not self.costs.has(b, self.tiers):
-      self._profile_or_load(target_params, drafter_params, state)
-    # Load-aware verify lengths (DSpark): λ(B) of the table; a no-op for other drafters.
-    state = state.replace(drafter_state=self.drafter.set_verify_cost(
+      setup = (self.drafter, self.tiers, self.tree, self.sampling, self.config.profile_steps,
+               self.config.profile_repeats, self.placement and dict(self.placement.mesh.shape))
+      costs_lib.profile_or_load(self.costs, setup, params + (state,), state, self._profiled,
+                                self.tiers, lambda: self.profile(*params, state))
+    state = state.replace(drafter_state=self.drafter.set_verify_cost(   # DSpark's λ(B)
         state.drafter_state, self.costs.verify_cost(b, self.tiers)))
-    exact = self.engines[0].sampling.greedy or not self.drafter.samples_proposals
     carried = self._carried.get(b)
     estimate = AcceptanceEstimate(b, self.max_gamma, self.config, carried)
-    hist, reached, done, num, prompt_len, max_new, steps_B = distributed.host_values((
-        state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
-        state.num_tokens_B, state.prompt_len_B, state.max_new_tokens, state.stats.steps_B))
-    remaining = lambda: max_new - (num - prompt_len)
+
+    def read(st):   # (accepted-count histogram, proposing steps, done, num, row 0's steps,
+      hist, reached, done, num, steps, lens, new = distributed.host_values((   # row ends)
+          st.stats.accept_hist_BG1, st.stats.reached_BG, st.done_B, st.num_tokens_B,
+          st.stats.steps_B, st.prompt_len_B, st.max_new_tokens))
+      return hist, reached[:, 0], done, num, steps[0], lens + new
+
+    hist, proposing, done, num, row0_steps, end_B = read(state)
+    retrospective = self.drafter.proposes_from_tokens or self.host is not None
     policy = PolicyState.start(
-        self.config, self.costs, b, self.tiers, exact=exact,
-        retrospective=self.drafter.proposes_from_tokens, carried=carried is not None,
-        live_B=~done, remaining_B=remaining(), probe_every=self._probe_every.get(b),
-        depths=self.depths)
-    proposing = reached[:, 0]   # steps that verified a draft at position 1
-    row0_steps = steps_B[0]
+        self.config, self.costs, b, self.tiers,
+        exact=self.sampling.greedy or not self.drafter.samples_proposals,
+        retrospective=retrospective, carried=carried is not None, live_B=~done,
+        remaining_B=end_B - num, probe_every=self._probe_every.get(b), depths=self.depths)
     self.row0_tiers, trace = [], []
     if policy.retrospective and policy.cheap:   # first, judged on the prompt's own text
-      estimate.observe_shadow(*self._judge_in_retrospect(state, np.zeros_like(num), num))
+      estimate.observe_shadow(*self._judge(state, np.zeros_like(num), num))
     while not done.all():
-      decision = self.decide(estimate, policy)
-      g = decision.tier
-      t0 = time.perf_counter()
-      num_before = num
+      decision = decide(estimate, self.costs, policy)
+      g, t0, num_before, matched = decision.tier, time.perf_counter(), num, None
       shadow_now = decision.shadow and not policy.retrospective
-      matched = None
       if shadow_now:
-        proposed, synced = self._shadow(target_params, drafter_params, state)
+        proposed, synced = self._shadow(*params, state)
         state = state.replace(drafter_state=synced)
         if self.placement is not None:   # as the tiers' programs expect it
           state = self.placement.put_state(state)
       engine = self._plain_ar if decision.plain_ar else self.engines[g]
-      state = engine.run(target_params, drafter_params, state, decision.chunk)
+      state = engine.run(*params, state, decision.chunk)
       if shadow_now:
-        matched = self._on_mesh(shadow_match)(state.tokens_BL, state.num_tokens_B, *proposed)
-      new_hist, reached, done, num, matched, steps_B = distributed.host_values((
-          state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
-          state.num_tokens_B, matched, state.stats.steps_B))
+        matched = distributed.host_values(self._on_mesh(shadow_match)(
+            state.tokens_BL, state.num_tokens_B, *proposed))
+      new_hist, new_proposing, done, num, steps0, end_B = read(state)
       if decision.shadow and policy.retrospective and not done.all():
-        matched = self._judge_in_retrospect(state, num_before, num)
+        matched = self._judge(state, num_before, num)
       steps = int(new_hist.sum() - hist.sum())
-      self.row0_tiers += [g] * int(steps_B[0] - row0_steps)
-      row0_steps = steps_B[0]
+      self.row0_tiers += [g] * int(steps0 - row0_steps)
       trace.append((g, steps, time.perf_counter() - t0))
-      estimate.observe(new_hist - hist, reached[:, 0] - proposing, policy.depth(g))
+      estimate.observe(new_hist - hist, new_proposing - proposing, policy.depth(g))
       samples = 0
       if matched is not None:
         estimate.observe_shadow(*matched)
         samples = int(np.max(np.sum(matched[1] > 0, axis=1), initial=0))
       policy = decision.state.observed(decision, float(np.sum(num - num_before)), steps,
-                                       ~done, remaining(), samples)
-      hist, proposing = new_hist, reached[:, 0]
+                                       ~done, end_B - num, samples)
+      hist, proposing, row0_steps = new_hist, new_proposing, steps0
       if between_chunks is not None:
         state, changed = between_chunks(state)
         if changed:   # new rows: their counts start afresh
-          hist, reached, done, num, prompt_len, max_new, steps_B = distributed.host_values((
-              state.stats.accept_hist_BG1, state.stats.reached_BG, state.done_B,
-              state.num_tokens_B, state.prompt_len_B, state.max_new_tokens,
-              state.stats.steps_B))
-          proposing, row0_steps = reached[:, 0], steps_B[0]
-          policy = dataclasses.replace(policy, live_B=~done, remaining_B=remaining())
+          hist, proposing, done, num, row0_steps, end_B = read(state)
+          policy = dataclasses.replace(policy, live_B=~done, remaining_B=end_B - num)
+    if self.host is not None:
+      self.host.finish(state)
     self.last_trace = trace
     self._probe_every[b] = policy.probe_every
     self._carried[b] = estimate.pooled()
     return state
 
-  def decide(self, estimate: AcceptanceEstimate, policy: PolicyState) -> Decision:
-    """The next chunk's `Decision`: `policy.decide` on this controller's cost table."""
-    return decide(estimate, self.costs, policy)
-
-  def _judge_in_retrospect(self, state, since_B: np.ndarray, num_B: np.ndarray):
-    """Host copies of `retrospective_match` over the lengths since `since_B`, at most the
+  def _judge(self, state, since_B: np.ndarray, num_B: np.ndarray):
+    """Shadow samples judged in retrospect over the lengths since `since_B`, at most the
     last `max_steps_per_decision` before `num_B` (host copies of the state's counts)."""
     width = self.config.max_steps_per_decision
+    if self.host is not None:
+      self.host.session.sync(state)
+      return self.host.session.judge(since_B, width)
     judge = self._on_mesh(functools.partial(retrospective_match, self.drafter, width))
-    return distributed.host_values(judge(
-        state.tokens_BL, self._put(np.maximum(since_B, num_B - width)), state.num_tokens_B))
+    since = np.maximum(since_B, num_B - width)
+    since = jax.device_put(since, self.placement and self.placement.shardings(
+        jax.sharding.PartitionSpec()))
+    return distributed.host_values(judge(state.tokens_BL, since, state.num_tokens_B))
 
   def tier_steps(self) -> dict:
     """{tier: verify steps summed over rows} of the last `generate`."""

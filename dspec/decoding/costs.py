@@ -12,12 +12,13 @@ import hashlib
 import json
 import os
 import re
-from typing import Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import numpy as np
 
-from dspec import files
+from dspec import distributed, files
 
 CACHE_SUBDIR = 'controller_costs'
 
@@ -129,3 +130,65 @@ class CostTable:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
       raise ValueError(f'bad step-cost table {path}: {e}') from e
     return cls(costs, propose, data.get('meta'))
+
+
+def profile(engines: dict, propose: Callable, plain_ar, params: tuple, state, steps: int,
+            repeats: int, table: CostTable) -> CostTable:
+  """Fills `table` for this batch size: each tier's step (`engines[g].run` on copies of
+  `state`, rounds interleaving the tiers against drift after a compile round; positive
+  tiers `force_wide`: what a drafting step costs) and `propose()` alone. The meta holds
+  the buffer length and the fewest steps a timed run ran (rows finish)."""
+  b = state.tokens_BL.shape[0]
+  jax.block_until_ready(propose())
+  t0 = time.perf_counter()
+  jax.block_until_ready([propose() for _ in range(steps)])
+  table.propose[b] = (time.perf_counter() - t0) / steps
+  copy = lambda: jax.tree.map(lambda x: x.copy(), state)
+  jax.block_until_ready(plain_ar.run(*params, copy(), 1))   # compiled here, not mid-run
+  best, fewest = {}, steps
+  for r in range(repeats + 1):
+    for g, engine in sorted(engines.items()):
+      t0 = time.perf_counter()
+      out = engine.run(*params, copy(), steps, force_wide=g > 0)
+      done = int(distributed.host_values(out.step - state.step))
+      if r:
+        best[g] = min(best.get(g, float('inf')), (time.perf_counter() - t0) / max(done, 1))
+        fewest = min(fewest, done)
+  table.costs.update({(b, g): c for g, c in best.items()})
+  table.meta.update(buffer_len=int(state.tokens_BL.shape[1]), fewest_steps=fewest)
+  return table
+
+
+def profile_or_load(table: CostTable, setup, arrays, state, profiled: dict, tiers,
+                    run_profile: Callable[[], CostTable]) -> None:
+  """Puts the table of `setup` (drafter, tiers, ...) and `arrays` (params, state) on this
+  device into `table`: one profiled before in this process (`profiled`), else the one
+  cached beside the XLA cache (`cached_path`), else `run_profile()`, then kept in both
+  unless some tier's timed run ran no step (every row done at once: this generation's
+  only). Across processes every process takes process 0's timings."""
+  key = fingerprint(setup, arrays)
+  path = None if distributed.active() else cached_path(setup, arrays)
+  b = state.tokens_BL.shape[0]
+  if key in profiled:
+    table.update(profiled[key])
+  elif path and os.path.exists(path):
+    try:
+      table.update(CostTable.load(path))
+    except ValueError:   # a damaged cache entry: profiled again below, and rewritten
+      pass
+  if table.has(b, tiers):
+    profiled.setdefault(key, table.of_batch(b))
+    return
+  run_profile()
+  if distributed.active():
+    shared = distributed.broadcast_json(
+        [[[b, g, c] for (b, g), c in table.costs.items()], table.propose[b],
+         table.meta['fewest_steps']])
+    table.costs.update({(b, g): c for b, g, c in shared[0]})
+    table.propose[b], table.meta['fewest_steps'] = shared[1], shared[2]
+  if table.meta['fewest_steps'] == 0:
+    return
+  profiled[key] = table.of_batch(b)
+  if path:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    profiled[key].save(path)

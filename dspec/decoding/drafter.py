@@ -47,22 +47,34 @@ A `Proposal` may leave slots empty (`num_proposed_B` < γ); with `q_BGV` it carr
 proposal distribution for rejection sampling (None: deterministic drafts). A draft id
 outside the target's vocabulary ends the proposal at that slot.
 
-Drafters that propose on the host (suffix trees) subclass `HostProposing`: the host loop
-(`host_loop.py`) gets a fresh `HostDrafter` per generation from its factory and passes its
-proposals into the same jitted step. Its `propose` must be a function of the sequences it
-is given, which only grow: the loop also calls it on each row's tokens one length at a
-time, to judge in retrospect what its proposals would have had taken (the prompt before
-the first step, each AR chunk after it).
+Drafters that propose on the host (suffix trees) subclass `HostProposing`: their engine
+(`host_loop.HostEngine`) gets a fresh `HostDrafter` per generation from its factory and
+passes its proposals into the same jitted step. Its `propose` must be a function of the
+sequences it is given, which only grow: the controller also calls it on each row's tokens
+one length at a time, to judge in retrospect what its proposals would have had taken (the
+prompt before the first chunk, each chunk after it).
 
-Adding a drafter:
+Adding a drafter: its files plus one registration in `dspec/drafter_kinds.py` (`KINDS`),
+from which the drafter registry (builders, `cfg.drafters` defaults), the checkpoint
+formats, the training tasks and the slot-acceptance tables derive.
   1. One file in `dspec/decoding/drafters/`: a frozen dataclass with a `num_draft` field
      implementing this protocol (subclass `DrafterBase`, or `StatelessDrafter` when it
      keeps no per-sequence state), plus `build(cfg, target) -> (drafter, params)` reading
      `cfg.drafters.<name>`.
-  2. One line in `drafters/registry.py` naming that builder, and its config defaults in
-     `configs/common.py: drafter_configs()` (with a `num_draft` field).
-The engine, the controller, batching, the CLI, the API and the benchmark harness then take
-it by name; the greedy / chi-square losslessness suites in tests/ take it as a case.
+  2. A learned drafter also has its model (`dspec/models/`, with `checkpoint_kind`), its
+     formats (`dspec/models/formats/`: a `load(path, *, target_cfg=None)`, its writers and a
+     speculators form's `SPECULATORS_FIELDS`), its training task (`dspec/training/`:
+     `build_task(cfg, workdir)`) and its `slot_acceptance.SlotReader`.
+  3. The registration: its name, that module, its config defaults (with `num_draft`) and,
+     for a learned drafter, the 'module:attr' of each part, e.g.
+       DrafterKind('eagle3', 'eagle3', {'path': '', 'num_draft': 0, 'sample_proposals': True},
+                   load='eagle3:load_eagle3', writers={'speculators': 'eagle3:save_speculators'},
+                   tasks={'eagle3': 'eagle3_task:build_task'},
+                   slots='slot_acceptance:EAGLE3_SLOTS'),
+The engine, the controller, batching, the CLI, the API, the benchmark harness, training
+(`training.task`) and `scripts/export_drafter.py` / `eval_drafter.py` then take it by name
+(tests/test_drafter_kinds.py checks the registration); the greedy / chi-square
+losslessness suites in tests/ take it as a case.
 """
 
 from __future__ import annotations

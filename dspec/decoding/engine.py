@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Any, Optional, Tuple
 
 import jax
@@ -48,6 +49,35 @@ def device_scalar(value, dtype=np.int32) -> jax.Array:
   """`value` as a device scalar of `dtype`, transferred once: chunk limits repeat, and
   each transfer costs host time at every chunk boundary."""
   return jax.device_put(np.dtype(dtype).type(value))
+
+
+@typing.runtime_checkable
+class Engine(typing.Protocol):
+  """What the runner, the benchmarks and `batching.serve` call: the chain engine
+  (`SpeculativeEngine`), `tree_engine.TreeEngine`, `host_loop.HostEngine`, their
+  `sharded.ShardedEngine` placements, and the controller driving them
+  (`controller.VerifyLengthController`, `adaptive`)."""
+
+  adaptive: bool
+  row0_tiers: Any   # the tier of each of row 0's steps (controller), else None
+
+  @property
+  def num_draft(self) -> int: ...
+
+  @property
+  def sampling(self) -> SamplingSpec: ...
+
+  @property
+  def drafter(self) -> Any: ...
+
+  def buffer_len(self, prompt_len: int, max_new_tokens: int) -> int: ...
+
+  def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B,
+              **kw) -> DecodeState: ...
+
+  def generate(self, target_params, drafter_params, state) -> DecodeState: ...
+
+  def tier_steps(self) -> dict: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +307,7 @@ class SpeculativeEngine:
       # program does no per-draft counting (~1-2% of a step on a γ-wide state here).
       stats = stats.replace(accept_hist_BG1=s.accept_hist_BG1.at[:, 0].add(live))
     trace = state.trace
-    if trace is not None:
+    if isinstance(trace, DecodeTrace):   # a tree trace (auto_tree's tier 0) stays as it is
       at = jnp.where(live_B[0], s.steps_B[0], trace.num_proposed_S.shape[0])
       width = trace.drafts_SG.shape[1]
       drafts_G = jnp.zeros((width,), jnp.int32).at[:g].set(proposal.tokens_BG[0, :width])

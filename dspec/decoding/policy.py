@@ -5,13 +5,12 @@
 next chunk's `Decision`: its tier (verify length; 0 is AR), its length in steps, whether it
 is a probe, whether a shadow proposal of the largest tier is judged against what it
 commits, and whether it runs plain AR steps (no proposals, no taps, no drafter update).
-`PolicyState.observed` folds in what the chunk realised. The modes, in the words of
-`dspec/decoding/controller.py`'s docstring:
+`PolicyState.observed` folds in what the chunk realised. The modes:
 
   * exact: shadow evidence has the probability a verification would accept (greedy, or
     a drafter proposing tokens rather than samples);
-  * retrospective: exact and the drafter proposes from the tokens alone (n-gram): judged
-    after each chunk at every length it committed;
+  * retrospective: exact and the drafter proposes from the tokens alone (n-gram, or a
+    host drafter: suffix trees): judged after each chunk at every length it committed;
   * cheap: some tier is payable and shadow evidence is exact and costs under
     `shadow_budget` of a chunk (or is retrospective): shadow drafts every chunk;
   * shadow_probe: exact and `shadow_probes`: tier 0 probes by one shadow proposal;
@@ -90,14 +89,10 @@ _CHECKS = {
     'profile_repeats': functools.partial(check_int, low=1, high=MAX_PROFILE_REPEATS),
     'shadow_budget': functools.partial(check_float, low=0.0),
     'shadow_warmup': functools.partial(check_int, low=0, high=MAX_STEPS),
-    'host_patience': _STEPS,
-    'host_chunk': _STEPS,
-    'host_max_chunk': _STEPS,
-    'host_walk_tail': _STEPS,
 }
 # Knobs that bound another: (knob, bound) with knob <= bound.
 _ORDERED = (('steps_per_decision', 'max_steps_per_decision'),
-            ('probe_every', 'max_probe_every'), ('host_chunk', 'host_max_chunk'))
+            ('probe_every', 'max_probe_every'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +117,6 @@ class ControllerConfig:
   profile_repeats: int = 3          # timed rounds over the tiers (after a compile round)
   shadow_budget: float = 0.1        # shadow-propose when it costs < this × a chunk
   shadow_warmup: int = 2            # short tier-0 chunks until this many shadow samples
-  # The host loop's AR fallback (host drafters: `dspec/decoding/host_loop.py`).
-  host_patience: int = 2            # unpaid steps in a row before AR chunks
-  host_chunk: int = 8               # the first AR chunk's steps ...
-  host_max_chunk: int = 128         # ... growing up to this
-  host_walk_tail: int = 16          # tokens of an AR chunk judged in retrospect
 
   @classmethod
   def from_config(cls, cfg) -> 'ControllerConfig':

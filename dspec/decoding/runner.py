@@ -26,11 +26,10 @@ from dspec.decoding.constrained_loop import Constrained, generate_constrained
 from dspec.decoding.controller import VerifyLengthController
 from dspec.decoding.drafters import registry
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import (ARFallback, compile_step_widths, generate_host_loop,
-                                     start_host_drafter)
+from dspec.decoding.host_loop import HostEngine
 from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import (bucket_shapes, encode_prompts, generated_ids,
-                                    pad_prompts, row_tokens)
+                                    pad_prompts)
 from dspec.sampling import SamplingSpec
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.state import TreeTrace
@@ -96,16 +95,10 @@ class Target:
 
 
 def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_B,
-                   settings: Settings, host_factory: Optional[Callable] = None,
-                   host_fallback=None, controller: ControllerConfig = ControllerConfig(),
-                   buffer_len: Optional[int] = None, constrained: Optional[Constrained] = None):
+                   settings: Settings, buffer_len: Optional[int] = None,
+                   constrained: Optional[Constrained] = None):
   """prefill + decode once; returns (final state, prefill seconds, decode seconds).
   buffer_len: the token buffer's (`SpeculativeEngine.prefill`; None: the engine's own).
-  Host drafters (`host_factory`) run the host loop, with AR chunks on `host_fallback`
-  while they stop paying; their set-up over the prompts (suffix tries) runs while the
-  device prefills, as a server starts a request's host state on arrival, and the first
-  run compiles the loop's step at every verify width (`compile_step_widths`) and prices a
-  step against AR's (`ARFallback.price`); `controller` has the fallback's knobs.
   `constrained`: structured output, every step masked by the rows' matchers
   (`constrained_loop`)."""
   t0 = time.perf_counter()
@@ -115,49 +108,24 @@ def run_generation(engine, target_params, drafter_params, prompt_BP, prompt_len_
                          temperature=settings.temperature, top_p=settings.top_p,
                          max_new_tokens=settings.max_new_tokens, seed=settings.seed,
                          buffer_len=buffer_len, **masked)
-  host = None if host_factory is None else host_factory()
-  if rows:
-    if host is not None:
-      host.start(row_tokens(np.asarray(prompt_BP), np.asarray(prompt_len_B)))
-    jax.block_until_ready(state)
-    t1 = time.perf_counter()
-    state = generate_constrained(engine, target_params, drafter_params, state, rows, host)
-    jax.block_until_ready(state)
-    return state, t1 - t0, time.perf_counter() - t1
-  if host is not None:
-    compile_step_widths(engine, target_params, drafter_params, state,   # first run only
-                        host_fallback, controller.host_max_chunk)
-    if host_fallback is not None:
-      host_fallback.price(engine, target_params, drafter_params, state)
-    prompt_walk = start_host_drafter(host, row_tokens(np.asarray(prompt_BP),
-                                                      np.asarray(prompt_len_B)),
-                                     judge=host_fallback is not None)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  if host is None:
-    state = engine.generate(target_params, drafter_params, state)
+  if rows:
+    state = generate_constrained(engine, target_params, drafter_params, state, rows)
   else:
-    state = generate_host_loop(engine, target_params, drafter_params, state, host,
-                               fallback=host_fallback, started=True,
-                               prompt_walk=prompt_walk, patience=controller.host_patience,
-                               chunk=controller.host_chunk,
-                               max_chunk=controller.host_max_chunk,
-                               walk_tail=controller.host_walk_tail)
+    state = engine.generate(target_params, drafter_params, state)
   jax.block_until_ready(state)
   return state, t1 - t0, time.perf_counter() - t1
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-  """What one timed generation runs: an engine, its params and, for host drafters, the
-  host drafter factory and the AR fallback (`run_generation`)."""
+  """What one timed generation runs: an engine, its params and constraints
+  (`run_generation`)."""
 
   engine: object
   target_params: object
   drafter_params: object = None
-  host_factory: Optional[Callable] = None
-  host_fallback: object = None
-  controller: ControllerConfig = ControllerConfig()
   constrained: Optional[Constrained] = None
 
 
@@ -178,7 +146,7 @@ def timed_generations(generations: Sequence[Generation], prompt_BP, prompt_len_B
       t = time.perf_counter()
       states[i], prefill_s, decode_s = run_generation(
           g.engine, g.target_params, g.drafter_params, prompt_BP, prompt_len_B, settings,
-          g.host_factory, g.host_fallback, g.controller, buffer_len, g.constrained)
+          buffer_len, g.constrained)
       if r == 0:
         first_s[i] = time.perf_counter() - t
       if r or not settings.timing_repeats:   # no timed rounds: the warm-up's time counts
@@ -257,9 +225,9 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
   benchmarks and scripts; a test over the source checks it). With verify_length 'auto'
   the load-aware controller, which picks each chunk's verify length from
   `controller.tiers` (up to the drafter's num_draft; tier 0 is plain AR; with a mesh
-  `placement` every tier's engine is sharded); with 'fixed' (and for AR or host-side
-  drafters, whose 'auto' is the host loop's AR fallback, `host_fallback`) every step
-  verifies the whole proposal; with
+  `placement` every tier's engine is sharded; a host-side drafter's positive tiers are
+  `HostEngine`s); with 'fixed' (and for AR) every step verifies the whole proposal
+  (a host-side drafter's: `HostEngine`); with
   'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
   (`drafter.tree_proposer`) in one target pass; with 'auto_tree' the controller picks each
   chunk's node budget: trees of g + 1 nodes for the tiers g < tree.num_nodes - 1 and
@@ -273,9 +241,9 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
     if gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
       raise ValueError(f'verify_length={verify_length} runs a device drafter (use fixed or '
                        'auto for host-side drafters)')
-    if placement is not None and (verify_length == 'auto_tree' or trace):
-      raise ValueError(f'verify_length={verify_length} on a mesh: tree (fixed) runs there, '
-                       'without a trace')
+    if placement is not None and trace:
+      raise ValueError(f'verify_length={verify_length} on a mesh records no trace '
+                       '(--trace_json: one device)')
     check_tree_fields(verify_length, registry.name_of(drafter),
                       {name: getattr(drafter, name) for name in TREE_IGNORED_FIELDS
                        if hasattr(drafter, name)})
@@ -284,15 +252,18 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
       return VerifyLengthController(
           graphdef, drafter, sampling=spec, stop_ids=stop_ids, tree=tree, trace=trace,
           config=dataclasses.replace(controller, tiers=tuple(sorted(
-              budgets | {tree.num_nodes - 1}))), profiled=profiled, cost_table=cost_table)
+              budgets | {tree.num_nodes - 1}))), placement=placement, profiled=profiled,
+          cost_table=cost_table)
     chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
     engine = TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
                         max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
     return ShardedEngine(engine, placement) if placement else engine
-  if verify_length == 'fixed' or gamma == 0 or isinstance(drafter, drafter_lib.HostProposing):
+  if verify_length == 'fixed' or gamma == 0:
     engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
                                trace=trace)
-    return ShardedEngine(engine, placement) if placement else engine
+    engine = ShardedEngine(engine, placement) if placement else engine
+    host_factory = drafter_lib.host_drafter_factory(drafter)
+    return HostEngine(engine, host_factory) if host_factory else engine
   tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
   return VerifyLengthController(graphdef, drafter, sampling=spec, stop_ids=stop_ids,
                                 config=dataclasses.replace(controller, tiers=tiers),
@@ -364,12 +335,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
                                 verify_length=verify_length, trace=trace,
                                 controller=controller, placement=placement, tree=tree,
                                 profiled=costs_lib.PROFILED)
-  host_factory = drafter_lib.host_drafter_factory(drafter)
-  fallback = None
-  if host_factory and verify_length == 'auto' and not placement and not constrained:
-    fallback = ARFallback.of(engine)
-  generations = [Generation(engine, target_params, drafter_params, host_factory, fallback,
-                            controller, constrained)]
+  generations = [Generation(engine, target_params, drafter_params, constrained)]
   if compare_ar:   # the rounds rotate which generation runs first
     generations.insert(0, Generation(
         speculative_engine(graphdef, None, spec, stop_ids, placement=placement),
@@ -390,7 +356,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
       new_tokens=run['new_tokens'], tokens_per_s=run['tokens_per_s'],
       decode_s=run['decode_s'], ttft_s=run['prefill_s'], compile_s=run['compile_s'],
       verify_length=verify_length if 'tree' in verify_length else
-      'auto' if engine.adaptive or fallback else 'fixed')
+      'auto' if engine.adaptive else 'fixed')
   if constrained:
     rows_run = constrained.last
     metrics.update(

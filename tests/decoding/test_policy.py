@@ -114,6 +114,41 @@ def test_retrospective_tier0_chunks_run_long():
   assert (d.tier, d.shadow, d.chunk) == (0, True, 4 * CFG.max_steps_per_decision)
 
 
+def _host_walk(taken, proposed=True, samples=8):
+  """An estimate after a host drafter's walk judged in retrospect (`HostSession.judge`):
+  `samples` steps taking `taken` of 3 drafts each (or proposing nothing)."""
+  est = AcceptanceEstimate(1, 3, CFG)
+  est.observe_shadow(np.full((1, samples), taken), np.full((1, samples), 3),
+                     np.full((1, samples), proposed))
+  return est
+
+
+def test_host_drafters_fall_back_to_tier_0_and_speculate_where_a_walk_pays():
+  """A host drafter is judged in retrospect (its fallback is tier 0 of the policy): a
+  silent one (suffix misses) or one whose drafts are rejected runs long tier-0 chunks,
+  each judged; a walk that takes its drafts moves it to the tier that pays; at the
+  largest tier it runs without judging, growing its chunks; with no tier payable it runs
+  plain AR to the end, judging nothing."""
+  costs = _costs()
+  host = _state(costs, retrospective=True, chunks=1, prev=0)
+  assert host.cheap and host.retrospective
+  for est in (_host_walk(0, proposed=False), _host_walk(0)):
+    d = decide(est, costs, host)
+    assert (d.tier, d.shadow, d.plain_ar, d.chunk) == (0, True, False,
+                                                       4 * CFG.max_steps_per_decision)
+  d = decide(_host_walk(3), costs, host)
+  assert (d.tier, d.shadow, d.chunk) == (3, False, CFG.steps_per_decision)
+  d = decide(_host_walk(3), costs, d.state)
+  assert (d.tier, d.chunk) == (3, 2 * CFG.steps_per_decision)
+  # A walk taking one draft a step: the short tier, judged (a longer one may pay later).
+  one = CostTable({(1, 0): 0.01, (1, 1): 0.0105, (1, 3): 0.04}, {1: 0.0})
+  d = decide(_host_walk(1), one, _state(one, retrospective=True, chunks=1, prev=0))
+  assert (d.tier, d.shadow) == (1, True)
+  unpayable = _costs(per_token=1.0)
+  d = decide(_host_walk(3), unpayable, _state(unpayable, retrospective=True))
+  assert (d.tier, d.plain_ar, d.shadow, d.chunk) == (0, True, False, 100)
+
+
 def test_realised_ratio_scales_a_tier_down():
   costs = _costs()
   state = _state(costs, chunks=2, prev=3, chunk=2)
@@ -133,8 +168,8 @@ def test_makespan_objective():
 
 
 def test_config_rejects_bad_knobs():
-  for bad in (dict(tiers=(3, 1)), dict(objective='fast'), dict(host_chunk=0),
-              dict(host_max_chunk=4, host_chunk=8)):
+  for bad in (dict(tiers=(3, 1)), dict(objective='fast'), dict(probe_every=0),
+              dict(probe_every=64, max_probe_every=8)):
     with pytest.raises(ValueError, match='controller'):
       ControllerConfig(**bad)
 

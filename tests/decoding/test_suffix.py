@@ -1,7 +1,6 @@
 """Tests for dspec/decoding/drafters/suffix.py: trie counts, speculation, caches, lossless."""
 
 import random
-import time
 
 import jax
 import numpy as np
@@ -9,16 +8,15 @@ import pytest
 
 from dspec.decoding.drafters.suffix import (SharedSuffixCache, SuffixCache, SuffixDrafter,
                                             SuffixTree, speculate)
-from dspec.decoding import host_loop
-from dspec.decoding.prompts import pad_prompts
-from dspec.decoding.engine import SpeculativeEngine, _programs
-from dspec.decoding.host_loop import (ARFallback, Walk, _committed_since, _try_then_run,
-                                      _unpaid_after, compile_step_widths,
-                                      generate_host_loop, judge_in_retrospect,
-                                      verify_width)
-from dspec.decoding.prompts import generated_ids, row_tokens
+from conftest import generate
+from dspec import compiled_programs
+from dspec.decoding import runner
+from dspec.decoding.costs import CostTable
+from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding.host_loop import HostSession, verify_width
+from dspec.decoding.policy import ControllerConfig
+from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.decoding.state import Proposal
-from dspec.sampling import SamplingSpec
 
 
 def _all_counts(tree):
@@ -212,31 +210,43 @@ def test_host_drafter_pads_proposals():
 # ------------------------------------------------------------------ end to end
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('prompts', [
-    [[3, 4, 5, 6] * 5],
-    [[3, 4, 5, 6] * 5, [7, 8, 9] * 3 + [10, 11]],
-], ids=['batch1', 'batch2'])
-def test_suffix_decoding_is_lossless(tiny_split, prompts):
-  graphdef, params = tiny_split
-  max_new = 40
-  prompt_BP, lens = pad_prompts(prompts)
-  ar = SpeculativeEngine(graphdef)
-  state = ar.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
-  expected = generated_ids(ar.generate(params, None, state))
+_PROMPTS = [[3, 4, 5, 6] * 5, [7, 8, 9] * 3 + [10, 11]]
+_NEW = 40
 
+
+def _ar_ids(tiny_split, prompts=_PROMPTS, max_new=_NEW):
+  ar = runner.speculative_engine(tiny_split[0])
+  state = ar.prefill(tiny_split[1], None, *pad_prompts(prompts), max_new_tokens=max_new)
+  return generated_ids(ar.generate(tiny_split[1], None, state))
+
+
+def _paying(batch: int, gamma: int, per_token: float = 0.05) -> CostTable:
+  """Step costs under which every tier could pay (no profiling in unit tests)."""
+  tiers = (0, 1, 3, gamma)
+  return CostTable({(batch, g): 1.0 + per_token * g for g in tiers}, {batch: 0.0})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('prompts', [_PROMPTS[:1], _PROMPTS], ids=['batch1', 'batch2'])
+@pytest.mark.parametrize('verify_length', ['fixed', 'auto'])
+def test_suffix_decoding_is_lossless(tiny_split, prompts, verify_length):
+  """Fixed (every step host-proposed) and auto (host-proposed tiers and AR, priced so that
+  speculation pays) equal AR; a repeat does not draft from its own earlier answer."""
+  graphdef, params = tiny_split
+  expected = _ar_ids(tiny_split, prompts)
   drafter = SuffixDrafter(num_draft=6, max_depth=16, max_spec_offset=2.0,
-                          cache_id=f'test_lossless_{len(prompts)}')
-  engine = SpeculativeEngine(graphdef, drafter=drafter)
+                          cache_id=f'test_lossless_{len(prompts)}_{verify_length}')
+  engine = runner.speculative_engine(
+      graphdef, drafter, verify_length=verify_length,
+      controller=ControllerConfig(tiers=(0, 1, 3, 6)), cost_table=_paying(len(prompts), 6))
   accepted = []
-  for _ in range(2):   # a repeat must not draft from its own earlier answer
-    state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=max_new)
-    state = generate_host_loop(engine, params, None, state, drafter.host_drafter_factory()())
-    assert generated_ids(state) == expected
-    assert all(len(g) == max_new for g in expected)
+  for _ in range(2):
+    ids, state = generate(engine, params, None, prompts, _NEW)
+    assert ids == expected and all(len(g) == _NEW for g in expected)
     accepted.append(np.asarray(state.stats.accepted_B).tolist())
-  assert accepted[0] == accepted[1]
-  assert sum(accepted[0]) > 0
+  assert accepted[0] == accepted[1] and sum(accepted[0]) > 0
+  if verify_length == 'auto':
+    assert max(engine.tier_steps()) > 0   # host-proposed tiers ran
 
 
 @pytest.mark.slow
@@ -286,242 +296,17 @@ class _SilentHostDrafter:
     pass
 
 
-def test_walks_judge_at_most_their_last_tokens():
-  """A walk with a tail proposes only at the last `tail` lengths: the verdict is about now,
-  and the host's work shares the CPU with the device's."""
+
+def test_walks_judge_at_most_their_last_lengths():
+  """A host judge proposes only at the last `width` lengths of each row (the verdict is
+  about now; the host shares the CPU with the device), one sample per walk step."""
   host = _SilentHostDrafter()
-  sequences = [list(range(20)), list(range(12))]
-  host.start(sequences)
-  walk = judge_in_retrospect(host, sequences, [1, 10], tail=5)
-  assert host.calls == 5 and walk.steps_B.tolist() == [5, 2]
-  assert walk.tokens_B.tolist() == [5, 2] and not walk.took_drafts()
-
-
-def test_a_walk_earns_a_try_only_when_its_last_step_took_a_draft():
-  """Too few drafts to pay at a step's price: a try when the walk ended taking a draft (a
-  paying stretch may be starting there), none for drafts taken earlier (at T > 0, walks
-  take scattered ones); enough to pay: speculate."""
-  early = Walk(np.array([5, 4]), np.array([7, 4]), np.array([1, 1]))
-  late = Walk(np.array([5, 4]), np.array([7, 4]), np.array([1, 3]))
-  assert _unpaid_after(early, 100.0, patience=2) == 2
-  assert _unpaid_after(late, 100.0, patience=2) == 1
-  assert _unpaid_after(early, 1.2, patience=2) == 0
-
-
-class _CountingSteps:
-  """Forwards `step` to an engine, counting the speculative steps (alone or a
-  `try_then_run`'s) and recording each one's (verify width, longest proposal)."""
-
-  def __init__(self, engine):
-    self.engine, self.num_draft, self.calls, self.widths = engine, engine.num_draft, 0, []
-
-  def record(self, proposal):
-    self.calls += 1
-    self.widths.append((proposal.tokens_BG.shape[1], int(np.max(proposal.num_proposed_B))))
-
-  def step(self, *args):
-    self.record(args[3])
-    return self.engine.step(*args)
-
-
-class _CountingChunks(ARFallback):
-  """An AR fallback counting its AR chunks (`run` calls, and `try_then_run` calls whose
-  step was rejected and AR steps ran) and its `try_then_run` calls (`tries`)."""
-
-  calls = tries = 0
-
-  def run(self, *args):
-    self.calls += 1
-    return super().run(*args)
-
-  def try_then_run(self, counted, target_params, drafter_params, state, proposal, max_steps):
-    counted.record(proposal)
-    self.tries += 1
-    before = int(np.sum(state.stats.steps_B)) + int(np.sum(~state.done_B))
-    state, paid = super().try_then_run(counted.engine, target_params, drafter_params, state,
-                                       proposal, max_steps)
-    self.calls += int(np.sum(state.stats.steps_B)) > before
-    return state, paid
-
-
-# Sampled at T = 1 from the top 1: AR's greedy output, through the loop's T > 0 paths.
-_ARGMAX_SAMPLED = SamplingSpec(greedy=False, top_k=1)
-
-
-def _host_loop_with_fallback(tiny_split, make_host, step_cost=1.5, prompts=None,
-                             judge_prompts=True, widths=None, fallbacks=None, reuse=None,
-                             sampling=SamplingSpec()):
-  """(final state, host drafter, speculative steps, AR chunks) of the host loop with an AR
-  fallback (patience 2, chunks from 4, a speculative step priced at `step_cost` AR steps),
-  60 new tokens, checked equal to AR's; `make_host(ar_ids)` builds the drafter. Without
-  `judge_prompts` the drafter starts on the prompts and the prefill's token unjudged, so
-  the loop starts speculating. `widths` (a list) gets each step's (verify width, longest
-  proposal); `fallbacks` (a list) the AR fallback (`_CountingChunks`), or `reuse` it (its
-  counts go on from there). `sampling`: the engines' (greedy; `_ARGMAX_SAMPLED`: at T = 1)."""
-  graphdef, params = tiny_split
-  prompt_BP, lens = pad_prompts(prompts or [[3, 4, 5, 6], [7, 8, 9]])
-  ar = SpeculativeEngine(graphdef)
-  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
-                                                                lens, max_new_tokens=60)))
-  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4), sampling=sampling)
-  fallback = reuse or _CountingChunks.of(engine)
-  host = make_host(expected)
-  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=60,
-                         temperature=0.0 if sampling.greedy else 1.0)
-  if not judge_prompts:
-    host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
-  counted = _CountingSteps(engine)
-  state = generate_host_loop(counted, params, None, state, host, fallback=fallback,
-                             patience=2, chunk=4, step_cost=step_cost,
-                             started=not judge_prompts)
-  assert generated_ids(state) == expected
-  if widths is not None:
-    widths.extend(counted.widths)
-  if fallbacks is not None:
-    fallbacks.append(fallback)
-  return state, host, counted.calls, fallback.calls
-
-
-@pytest.mark.slow
-def test_host_loop_judges_the_prompt_before_the_first_step(tiny_split):
-  """A drafter that proposes nothing: AR chunks from the start (4 + 16 + 39 tokens: they
-  grow 4× while judged walks take nothing), not a step. Suffix decoding on prompts that
-  repeat: their walk beats a step priced at 1.5 AR steps, so the loop speculates at once
-  (on this target's output it proposes nothing, which would not pay for a verify: an AR
-  step, then no try, and AR chunks); priced at 100 AR steps, the walk took drafts, but too
-  few, and a prompt earns no try step (a chunk walk would): AR chunks only."""
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
-  assert (steps, chunks) == (0, 3)
-  suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
-  repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, prompts=repeating)
-  assert (steps, chunks) == (0, 1 + 3)
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 100.0, prompts=repeating)
-  assert (steps, chunks) == (0, 3)
-
-
-@pytest.mark.slow
-def test_a_prompt_earns_speculation_at_the_rate_earlier_prompts_realised(tiny_split):
-  """The repeating prompts' walk earns speculation (an AR step, as above); their stretch
-  realised 1 token per step against the walk's prediction, and the fallback keeps that:
-  the same prompts then earn none (AR chunks only), and the output is still AR's."""
-  suffix = lambda _: SuffixDrafter(num_draft=4).host_drafter_factory(private=True)()
-  repeating = [[3, 4, 5, 6] * 5, [7, 8, 9] * 6]
-  fallbacks = []
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 2.0, prompts=repeating,
-                                                 fallbacks=fallbacks)
-  assert (steps, chunks) == (0, 1 + 3)
-  fallback = fallbacks[0]
-  # 2 row-steps committed 2 tokens, where the walk predicted over 2 (the step's price).
-  assert 0.5 < fallback.prompt_realised < 0.75
-  fallback.calls = 0
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, suffix, 2.0, prompts=repeating,
-                                                 reuse=fallback)
-  assert (steps, chunks) == (0, 3)
-
-
-@pytest.mark.slow
-def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
-  """Each step verifies the next power of two at or above its longest proposal (at most
-  num_draft 4): proposals of 1, 2, 3 drafts take steps of widths 1, 2, 4; the output is
-  AR's and every draft is accepted. A proposal that could not pay for its step even if
-  accepted whole is not verified."""
-  assert [verify_width(n, 16) for n in range(18)] == [1, 1, 2] + [4] * 2 + [8] * 4 + [16] * 9
-  assert verify_width(5, 6) == 6
-  widths = []
-  state, _, steps, _ = _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _ShorteningHostDrafter([e[1:] for e in ar_ids]),
-      judge_prompts=False, widths=widths)
-  assert widths[:6] == [(1, 1), (2, 2), (4, 3)] * 2
-  assert all(w == verify_width(n, 4) for w, n in widths), widths
-  stats = jax.device_get(state.stats)
-  assert np.array_equal(stats.accepted_B, stats.proposed_B) and steps == len(widths)
-  # Priced at 2 AR steps, a 1-draft proposal could not pay for a verify: an AR step instead.
-  widths = []
-  _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _ShorteningHostDrafter([e[1:] for e in ar_ids]), 2.0,
-      judge_prompts=False, widths=widths)
-  assert widths[:4] == [(2, 2), (4, 3)] * 2 and (1, 1) not in widths
-
-
-def _first_and_later_ms(run, later: int = 5):
-  """Wall ms of `run()`'s first call and the median of the `later` calls after it."""
-  times = []
-  for _ in range(1 + later):
-    t = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append(1e3 * (time.perf_counter() - t))
-  return times[0], float(np.median(times[1:]))
-
-
-@pytest.mark.slow
-def test_every_verify_width_compiles_before_the_loop(tiny_split):
-  """`compile_step_widths` (the runner's, before the timer starts) compiles the step, and
-  the step carrying an AR chunk along, at widths 1, 2 and 4 of num_draft 4, and the
-  read-back: the loop, stepping at all three and running AR chunks, compiles nothing (a
-  compile would land in the loop's step timings, which price the next generations). Nor
-  does a first run, or its warm-up runs still on the device: XLA:CPU's first run of a
-  verify or AR loop cost ~8× a later one here (~10 ms), until `compile_step_widths` ran
-  each with drafts and an AR step and waited for them. A fresh fallback then prices a step
-  against AR's once (`ARFallback.price`)."""
-  graphdef, params = tiny_split
-  prompt_BP, lens = pad_prompts([[3, 4, 5, 6], [7, 8, 9]])
-  ar = SpeculativeEngine(graphdef)
-  expected = generated_ids(ar.generate(params, None, ar.prefill(params, None, prompt_BP,
-                                                                lens, max_new_tokens=24)))
-  engine = SpeculativeEngine(graphdef, drafter=SuffixDrafter(num_draft=4,
-                                                             cache_id='test_widths'))
-  fallback = ARFallback.of(engine)
-  state = engine.prefill(params, None, prompt_BP, lens, max_new_tokens=24)
-  copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(6 * 4 + 2)]
-  jax.block_until_ready(copies)
-  compile_step_widths(engine, params, None, state, fallback)
-  programs = (_programs(engine, state.tokens_BL.shape)['step'],
-              _try_then_run(engine, fallback.engine),
-              _committed_since)
-  compiled = [p._cache_size() for p in programs]
-  for width in (1, 2, 4):
-    drafts = jax.device_put(Proposal(np.ones((2, width), np.int32), np.full((2,), width,
-                                                                            np.int32)))
-    first, later = _first_and_later_ms(lambda: engine.step(params, None, copies.pop(), drafts))
-    assert first < 3 * later + 2, (width, first, later)
-  first, later = _first_and_later_ms(lambda: fallback.run(params, None, copies.pop(), 4))
-  assert first < 3 * later + 2, (first, later)
-  host = _ShorteningHostDrafter([e[1:] for e in expected])
-  host.start(row_tokens(*jax.device_get((state.tokens_BL, state.num_tokens_B))))
-  state = generate_host_loop(engine, params, None, state, host, fallback=fallback,
-                             started=True)
-  assert generated_ids(state) == expected
-  assert compiled[:2] == [3, 3] and [p._cache_size() for p in programs] == compiled
-  # A fresh fallback prices a step against AR's before its first generation, once.
-  fresh = ARFallback.of(engine)
-  for _ in range(2):
-    fresh.price(engine, params, None, copies.pop())
-    assert len(fresh.step_s) == len(fresh.ar_token_s) == 1 and fresh.step_cost() > 1
-
-
-@pytest.mark.slow
-def test_quiet_ar_chunks_queue_behind_each_other(tiny_split, monkeypatch):
-  """A drafter that proposes nothing, prompts judged: AR chunks of 4, 16, 39, each queued
-  before the one before it is read back (the device never waits on the host between
-  them); the last, which ends the generation, is read back at once."""
-  events = []
-  take, run = host_loop._take_read_back, _CountingChunks.run
-  monkeypatch.setattr(host_loop, '_take_read_back',
-                      lambda *a: (events.append('take'), take(*a))[1])
-  monkeypatch.setattr(_CountingChunks, 'run',
-                      lambda self, *a: (events.append('run'), run(self, *a))[1])
-  _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter())
-  assert events == ['run', 'run', 'take', 'run', 'take', 'take']
-
-
-@pytest.mark.slow
-def test_host_loop_falls_back_to_ar_chunks_when_the_drafter_is_silent(tiny_split):
-  _, _, steps, chunks = _host_loop_with_fallback(tiny_split, lambda _: _SilentHostDrafter(),
-                                                 judge_prompts=False)
-  # Empty proposals would not pay for a verify: an AR step (unpaid), no try, then AR
-  # chunks of 4, 16, 38 tokens (58 to go); never a verify step.
-  assert (steps, chunks) == (0, 1 + 3)
+  session = HostSession(host, np.array([list(range(20)), list(range(12)) + [0] * 8]),
+                        np.array([20, 12]))
+  accepted, judged, proposed = session.judge([1, 10], width=5)
+  assert host.calls == 5
+  assert (judged > 0).sum(axis=1).tolist() == [5, 2] and not proposed.any()
+  assert accepted.sum() == 0
 
 
 class _HostDrafterFrom(_SilentHostDrafter):
@@ -536,11 +321,11 @@ class _HostDrafterFrom(_SilentHostDrafter):
     self.calls += 1
     tokens = np.zeros((len(sequences), 4), np.int32)
     for b, seq in enumerate(sequences):
-      done = len(seq) - len(self.sequences[b])
-      ahead = list(self.expected[b][done:done + 4])
+      done = len(seq) - len(self.sequences[b])   # generated tokens (the prompt: < 0)
+      ahead = list(self.expected[b][done:done + 4]) if done >= 0 else []
       if live[b] and ahead:
         tokens[b, :len(ahead)] = ahead if done in self.right else [t + 1 for t in ahead]
-    return tokens, np.full((len(sequences),), 4, np.int32) * live
+    return tokens, np.array([4 * bool(t.any()) for t in tokens], np.int32) * live
 
 
 class _ShorteningHostDrafter(_HostDrafterFrom):
@@ -554,111 +339,86 @@ class _ShorteningHostDrafter(_HostDrafterFrom):
     return tokens, np.minimum(num, 1 + (self.calls - 1) % 3)
 
 
-class _SparselyRightHostDrafter(_HostDrafterFrom):
-  """Drafts 4 wrong tokens, but AR's next token first at every third position (from
-  `first` on): walks take a draft now and then (never quiet), too few to pay."""
+class _RecordingSteps:
+  """A chain engine's `step`, recording each one's (verify width, longest proposal)."""
 
-  def __init__(self, expected, first=0):
-    super().__init__(expected, right_from=99)
-    self.first = first
+  def __init__(self, engine):
+    self.engine, self.widths = engine, []
 
-  def propose(self, sequences, live):
-    tokens, num = super().propose(sequences, live)
-    for b, seq in enumerate(sequences):
-      done = len(seq) - len(self.sequences[b])
-      if live[b] and done % 3 == 0 and self.first <= done < len(self.expected[b]):
-        tokens[b, 0] = self.expected[b][done]
-    return tokens, num
+  def warm_marks(self, tokens_shape):
+    return self.engine.warm_marks(tokens_shape)
+
+  def step(self, params, dparams, state, proposal):
+    self.widths.append((proposal.tokens_BG.shape[1],
+                        int(np.max(jax.device_get(proposal.num_proposed_B)))))
+    return self.engine.step(params, dparams, state, proposal)
 
 
-@pytest.mark.slow
-def test_chunks_grow_as_if_quiet_once_recent_judges_earned_nothing(tiny_split):
-  """Walks that take a few drafts, priced at 100 AR steps (none pays), at T = 1: after
-  the AR step of the stretch, the chunks grow 2× (4, 8, 16, 32), each judged at once; with
-  a full window of barren judges in the fallback, they grow 4× and queue (4, 16, 64), as
-  when walks take nothing. At T = 0 the window does not count: 2× and judged."""
-  for sampling, barren, expected in ((_ARGMAX_SAMPLED, False, [1, 4, 8, 16, 32]),
-                                     (_ARGMAX_SAMPLED, True, [1, 4, 16, 64]),
-                                     (SamplingSpec(), True, [1, 4, 8, 16, 32])):
-    lengths = []
 
-    class Recording(_CountingChunks):
-      def run(self, target_params, drafter_params, state, max_steps):
-        lengths.append(max_steps)
-        return super().run(target_params, drafter_params, state, max_steps)
-
-    fallback = Recording.of(SpeculativeEngine(tiny_split[0], sampling=sampling,
-                                              drafter=SuffixDrafter(num_draft=4)))
-    fallback.judges_earned.extend([False] * barren * fallback.judges_earned.maxlen)
-    assert fallback.judges_barren() == (barren and not sampling.greedy)
-    _host_loop_with_fallback(tiny_split,
-                             lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids]),
-                             100.0, judge_prompts=False, reuse=fallback, sampling=sampling)
-    assert lengths == expected and not any(fallback.judges_earned)
+def test_the_host_judge_walks_as_verify_steps_would():
+  """Right drafts from token 2 to 9: the walk over them takes 4 drafts a step there (each
+  sample: drafts matched, comparable positions, proposed), 0 elsewhere, as
+  `estimate.retrospective_match` does on the device."""
+  expected = [list(range(100, 130))]
+  host = _HostDrafterFrom(expected, right_from=2, right_until=10)
+  session = HostSession(host, np.array([[1]]), np.array([1]))
+  host.sequences = [[1]]
+  session.sequences[0] += expected[0][:16]
+  accepted, judged, proposed = session.judge([1], width=16)
+  n = int((judged[0] > 0).sum())
+  assert accepted[0, :n].tolist() == [0, 0, 4, 4, 0, 0, 0, 0]
+  assert judged[0, :n].tolist() == [4, 4, 4, 4, 4, 3, 2, 1] and proposed[0, :n].all()
 
 
 @pytest.mark.slow
-def test_steps_too_short_to_pay_end_a_stretch_and_barren_judges_earn_no_tries(tiny_split):
-  """At T = 1 (sampled from the top 1), drafts right at every third position from 3,
-  priced at 4.5 AR steps (a step with 4 drafts could pay; one accepting a single draft
-  commits 2 tokens per row, and does not):
-  two unpaid steps, then AR chunks. Each chunk walk whose last step took a draft earns a
-  try, which accepts a draft but does not pay for itself: back to AR chunks (it used to
-  start a stretch that ran to the end, a draft accepted every other step), the judge
-  recorded as barren. 2 steps + 2 tries. With a full window of barren judges the same
-  walks earn no try: the 2 steps, then AR chunks only."""
-  make = lambda ar_ids: _SparselyRightHostDrafter([e[1:] for e in ar_ids], first=3)
-  fallbacks = []
-  _, _, steps, _ = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
-                                            fallbacks=fallbacks, sampling=_ARGMAX_SAMPLED)
-  assert steps == 2 + 2 and list(fallbacks[0].judges_earned) == [False] * 3
-  fallback = fallbacks[0]
-  fallback.judges_earned.extend([False] * fallback.judges_earned.maxlen)
-  fallback.calls = 0
-  _, _, steps, _ = _host_loop_with_fallback(tiny_split, make, 4.5, judge_prompts=False,
-                                            reuse=fallback, sampling=_ARGMAX_SAMPLED)
-  assert steps == 2 and not any(fallback.judges_earned)
+def test_silent_and_rejected_host_drafters_run_as_ar(tiny_split):
+  """Under auto, a host drafter that proposes nothing, or only wrong drafts, costs AR's
+  steps: the controller judges it on the prompt and after each chunk, finds nothing to
+  take, and stays at tier 0; the output is AR's."""
+  expected = _ar_ids(tiny_split)
+  for make in (lambda: _SilentHostDrafter(),
+               lambda: _HostDrafterFrom(expected, right_from=99)):
+    engine = runner.speculative_engine(
+        tiny_split[0], SuffixDrafter(num_draft=4), controller=ControllerConfig(tiers=(0, 4)),
+        cost_table=_paying(2, 4, per_token=0.5))
+    engine.host.use_factory(make)
+    ids, state = generate(engine, tiny_split[1], None, _PROMPTS, _NEW)
+    assert ids == expected and set(engine.tier_steps()) == {0}
+    assert int(np.asarray(state.stats.proposed_B).sum()) == 0
 
 
 @pytest.mark.slow
-def test_host_loop_falls_back_when_drafts_are_rejected(tiny_split):
-  """Proposals that never pay count like empty ones, and judged in retrospect after each
-  AR chunk they never win speculation back."""
-  # The host copy starts after the prefill's token; drafts target the tokens after it.
-  fallbacks = []
-  state, host, steps, chunks = _host_loop_with_fallback(
-      tiny_split, lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], right_from=99),
-      judge_prompts=False, fallbacks=fallbacks)
-  assert int(np.asarray(state.stats.accepted_B).sum()) == 0
-  # The second unpaid step carries the first AR chunk along (one device call for both);
-  # that chunk's AR tokens are timed too (the call's time less a step's), as the others.
-  fallback, = fallbacks
-  assert (steps, chunks, fallback.tries) == (2, 3, 1)
-  assert (len(fallback.step_s), len(fallback.ar_token_s)) == (1, 3)
-  # Asked for two steps, then judged on the host at every length the AR chunk of 4
-  # committed (right away); the chunk of 16 is quiet, judged while the next one runs, but
-  # that one (37 tokens) ends the generation, where no verdict could act: not judged.
-  assert host.calls == 2 + 4
+def test_auto_speculates_where_the_host_drafter_would_pay(tiny_split):
+  """Right drafts from generated token 8 on: the controller starts at AR (the prompt's
+  walk takes nothing), judges the chunk in retrospect, and moves to the host-proposed tier,
+  whose steps accept drafts; the output is AR's."""
+  expected = _ar_ids(tiny_split)
+  engine = runner.speculative_engine(
+      tiny_split[0], SuffixDrafter(num_draft=4),
+      controller=ControllerConfig(tiers=(0, 4), steps_per_decision=4),
+      cost_table=_paying(2, 4, per_token=0.1))
+  engine.host.use_factory(lambda: _HostDrafterFrom(expected, right_from=8))
+  ids, state = generate(engine, tiny_split[1], None, _PROMPTS, _NEW)
+  assert ids == expected
+  assert engine.last_trace[0][0] == 0 and engine.tier_steps().get(4, 0) > 0
+  assert int(np.asarray(state.stats.accepted_B).min()) > 0
 
 
 @pytest.mark.slow
-def test_host_loop_resumes_speculation_when_it_would_have_paid(tiny_split):
-  """Right drafts from token 2 to 29, wrong ones elsewhere: two unpaid steps (tokens 0,
-  1); an AR chunk of 4 (2-5, judged: 4 tokens in 1 step, over the step's price of 2);
-  five steps (6-30), two unpaid ones (31, 32) and AR chunks again from 4: 4 (judged:
-  nothing taken), 16, 6. Priced at 4.5 AR steps (a step with 4 drafts could still pay),
-  the walk over the 4 earns one step instead, which pays, and the chunks go on growing from
-  there: 8, 18. Each second unpaid
-  step, and the walk's step, carries its AR chunk along in one device call; run only
-  where the step was rejected. The fallback records each chunk judge's outcome: the first
-  earned a step that paid, the last earned none."""
-  make = lambda ar_ids: _HostDrafterFrom([e[1:] for e in ar_ids], 2, 30)
-  for step_cost, expected_chunks, expected_tries in ((2.0, 4, 2), (4.5, 3, 3)):
-    fallbacks = []
-    state, _, steps, chunks = _host_loop_with_fallback(tiny_split, make, step_cost,
-                                                       judge_prompts=False,
-                                                       fallbacks=fallbacks)
-    assert chunks == expected_chunks and fallbacks[0].tries == expected_tries
-    # The judge over the first chunk earned a step that paid; the last judge, none.
-    assert list(fallbacks[0].judges_earned) == [True, False]
-    assert steps == 2 + 5 + 2 and int(np.asarray(state.stats.accepted_B).min()) > 0
+def test_steps_verify_the_width_their_longest_proposal_needs(tiny_split):
+  """Proposals of 1, 2, 3, 1, ... drafts verify at widths 1, 2, 4 (the next power of two):
+  a short proposal does not pay for the drafter's full width; every width is compiled
+  before the generation (`HostEngine.warm`), which then compiles nothing."""
+  expected = _ar_ids(tiny_split)
+  engine = runner.speculative_engine(tiny_split[0], SuffixDrafter(num_draft=4),
+                                     verify_length='fixed')
+  engine.use_factory(lambda: _ShorteningHostDrafter(expected))
+  prompt_BP, lens = pad_prompts(_PROMPTS)
+  state = engine.prefill(tiny_split[1], None, prompt_BP, lens, max_new_tokens=_NEW)
+  engine.warm(tiny_split[1], None, state)
+  engine.engine = recorder = _RecordingSteps(engine.engine)
+  with compiled_programs.counting_compiles() as compiles:
+    state = engine.generate(tiny_split[1], None, state)
+  assert generated_ids(state) == expected and not compiles
+  assert recorder.widths[:3] == [(1, 1), (2, 2), (4, 3)]
+  assert all(w == verify_width(n, 4) for w, n in recorder.widths)

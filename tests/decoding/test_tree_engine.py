@@ -17,9 +17,12 @@ from dspec.decoding.drafters.dflash import DFlashDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
 from dspec.decoding.engine import SpeculativeEngine
+from dspec.decoding import runner
+from dspec.decoding.costs import CostTable
+from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.runner import trace_of
 from dspec.decoding.tree import DraftTree
-from dspec.decoding.tree_engine import TreeEngine
+from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.decoding.tree_proposers import BlockTopKTrees, ChainTrees, SelectorTrees
 from dspec.models import dflash2
 from dspec.models.dflash import DFlashConfig, DFlashModel
@@ -105,6 +108,33 @@ def test_trace_records_each_steps_tree_and_accepted_path(tiny_split, ar_outputs)
   assert committed == ar_outputs[0]
   assert trace['steps'][0]['accepted_path'] == [0, 2, 4, 6, 8]   # the correct siblings
   assert len(trace['steps']) == int(state.stats.steps_B[0])
+
+
+@pytest.mark.slow
+def test_auto_tree_traces_each_steps_tier_and_tree(tiny_split, ar_outputs):
+  """`auto_tree` with a trace: every step of row 0 records its tier; a tree tier's step
+  its tree and accepted path, a tier-0 (AR) step no tree. The steps' commits are AR's."""
+  tiers = (0, 3)
+  controller = runner.speculative_engine(
+      tiny_split[0], SelfDrafter(num_draft=4), verify_length='auto_tree', trace=True,
+      tree=TreeConfig(num_nodes=8, top_k=2), controller=ControllerConfig(
+          tiers=tiers, steps_per_decision=1, max_steps_per_decision=2, probe_every=2),
+      cost_table=CostTable({(3, g): 1.0 + 0.3 * g for g in tiers + (7,)}, {3: 1e9}))
+  outs, state = generate(controller, tiny_split[1], None, PROMPTS, NEW_TOKENS)
+  assert outs == ar_outputs
+  trace = trace_of(state, controller.row0_tiers)
+  committed = [trace['first_token']]
+  for step in trace['steps']:
+    tokens, path = step['tree']['tokens'], step['accepted_path']
+    if step['tier']:
+      assert len(path) == step['accepted'] + 1 and path[0] == 0 and len(tokens) > 1
+      assert step['committed'][:step['accepted']] == [tokens[n] for n in path[1:]]
+    else:
+      assert tokens == [] and step['accepted'] == 0 and len(step['committed']) == 1
+    committed += step['committed']
+  assert committed == ar_outputs[0]
+  seen = {s['tier'] for s in trace['steps']}
+  assert 0 in seen and seen - {0}, seen   # AR steps and tree steps, both traced
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@
 
 A run is drafter:verify_length:temperature (`dflash2`: the dflash drafter with demo/dflash2).
 Besides the ids, each run records a digest of row 0's step trace (the controller's tier at
-every step) from every process, so a test can check that all processes decided alike.
+every step; token trees on a mesh: the tier steps) from every process, so a test can check
+that all processes decided alike.
 `tests/scale/test_multiprocess.py` compares the files of 1 and 2 processes.
 """
 
@@ -47,6 +48,7 @@ def main(argv):
   from dspec.decoding import runner
   from dspec.decoding.drafters import registry
   from dspec.decoding.policy import ControllerConfig
+  from dspec.decoding.tree_engine import TreeConfig
   cfg = _CONFIG.value
   placement = sharding.placement_from_config(cfg)
   model, tokenizer, max_seq_len = loading.build_target(cfg.model, placement)
@@ -61,11 +63,13 @@ def main(argv):
     drafter, drafter_params = registry.build_drafter(cfg, model)
     settings = dataclasses.replace(runner.Settings.from_config(cfg),
                                    temperature=float(temperature), timing_repeats=0)
+    traced = 'tree' not in verify_length or placement is None   # trees: no trace on a mesh
     out = runner.decode(target, list(PROMPTS), drafter, drafter_params, settings=settings,
-                        batch_size=len(PROMPTS), verify_length=verify_length, trace=True,
-                        placement=placement,
+                        batch_size=len(PROMPTS), verify_length=verify_length, trace=traced,
+                        placement=placement, tree=TreeConfig.from_config(cfg.tree),
                         controller=ControllerConfig.from_config(cfg.get('controller', {})))
-    trace = json.dumps(out['trace'], sort_keys=True)
+    trace = json.dumps(out['trace'] if traced else out['metrics'].get('tier_steps'),
+                       sort_keys=True)
     results[run] = {'ids': out['ids'], 'trace_digests': _digests_of_every_process(trace),
                     'tier_steps': {str(k): v for k, v in
                                    out['metrics'].get('tier_steps', {}).items()}}

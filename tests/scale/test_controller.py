@@ -26,6 +26,7 @@ from dspec.decoding.drafters.eagle3 import Eagle3Drafter
 from dspec.decoding.drafters.mtp import MTPDrafter
 from dspec.decoding.drafters.ngram import NgramDrafter
 from dspec.decoding.drafters.self_draft import SelfDrafter
+from dspec.decoding.drafters.suffix import SuffixDrafter
 from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.models.dflash import DFlashConfig, DFlashModel
@@ -59,6 +60,7 @@ def ar(tiny_split):
 @pytest.mark.parametrize('name,drafter,per_token,propose', [
     ('ngram', NGRAM, 0.05, 0.0),
     ('self', SelfDrafter(num_draft=4), 0.6, 1e9),   # starts at AR, probes
+    ('suffix', SuffixDrafter(num_draft=4, use_global_cache=False), 0.05, 0.0),   # host
 ])
 def test_greedy_output_equals_ar_while_switching_tiers(tiny_split, ar, name, drafter,
                                                        per_token, propose):
@@ -391,7 +393,8 @@ def test_controller_on_a_mesh_equals_ar():
   """`verify_length=auto` with a `data=2,tensor=2` placement (4 simulated CPU devices, in a
   subprocess: `controller_mesh_check.py`): the decode job is lossless against AR, and on a
   table where verifying is cheap the controller runs positive tiers sharded, token for
-  token equal to AR."""
+  token equal to AR: n-gram, suffix (host-proposed tiers, AR as tier 0), and n-gram trees
+  under `tree` and `auto_tree`."""
   here = os.path.dirname(os.path.abspath(__file__))
   proc = subprocess.run([sys.executable, os.path.join(here, 'controller_mesh_check.py')],
                         capture_output=True, text=True, timeout=600,
@@ -400,8 +403,9 @@ def test_controller_on_a_mesh_equals_ar():
   assert proc.returncode == 0 and line, proc.stderr[-4000:]
   result = json.loads(line[len('RESULT '):])
   assert result['devices'] == 4 and result['verify_length'] == 'auto'
-  assert result['lossless'] is True and result['cheap_equal'] is True
-  assert any(int(g) > 0 for g in result['cheap_tier_steps']), result
+  assert result['lossless'] is True and all(result['equal_ar'].values()), result
+  for name in ('auto', 'suffix', 'auto_tree'):   # positive tiers ran, sharded
+    assert any(int(g) > 0 for g in result['cheap_tier_steps'][name]), result
 
 
 @pytest.mark.slow

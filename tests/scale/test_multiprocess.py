@@ -22,16 +22,18 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
-# Every drafter (fixed), auto verification (controller decisions broadcast), sampled runs.
+# Every drafter (fixed), auto verification (controller decisions broadcast), sampled runs,
+# token trees (tree, auto_tree).
 # Compiling dominates: one run per drafter, the controller on two tiers (AR and num_draft),
 # suffix on verify widths 1, 2 and 4.
 RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash:fixed:0,dflash2:fixed:0,'
-        'dspark:fixed:1,suffix:fixed:0')
+        'dspark:fixed:1,suffix:fixed:0,ngram:tree:0,mtp:auto_tree:0')
 AR = 'none:fixed:0'
 SINGLE_RUNS = ','.join([AR] + [r for r in RUNS.split(',') if not r.endswith(':0')])
 # The demo target itself (`small`, not the widened main job): compiling stays what dominates.
 COMMON = ['--config=configs/demo.py:small', '--config.max_new_tokens=12',
           '--config.controller.tiers=(0,)', '--config.drafters.suffix.num_draft=4',
+          '--config.tree.num_nodes=8', '--config.tree.top_k=2',
           '--compilation_cache_dir=']
 
 
@@ -87,7 +89,8 @@ def test_every_process_takes_the_same_decisions(single_and_multi):
   for run in RUNS.split(','):
     digests = two['runs'][run]['trace_digests']
     assert len(digests) == 2 and digests[0] == digests[1], run
-  assert two['runs']['mtp:auto:0']['tier_steps']   # the controller ran and recorded tiers
+  for run in ('mtp:auto:0', 'mtp:auto_tree:0'):   # the controller ran and recorded tiers
+    assert two['runs'][run]['tier_steps'], run
 
 
 @pytest.mark.multiprocess
