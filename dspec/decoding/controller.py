@@ -187,7 +187,8 @@ class VerifyLengthController:
         self.config, self.costs, b, self.tiers,
         exact=self.sampling.greedy or not self.drafter.samples_proposals,
         retrospective=retrospective, carried=carried is not None, live_B=~done,
-        remaining_B=end_B - num, probe_every=self._probe_every.get(b), depths=self.depths)
+        remaining_B=end_B - num, probe_every=self._probe_every.get(b), depths=self.depths,
+        bursty=self.host is not None)
     self.row0_tiers, trace = [], []
     if policy.retrospective and policy.cheap:   # first, judged on the prompt's own text
       estimate.observe_shadow(*self._judge(state, np.zeros_like(num), num))
@@ -235,9 +236,9 @@ class VerifyLengthController:
     """Shadow samples judged in retrospect over the lengths since `since_B`, at most the
     last `max_steps_per_decision` before `num_B` (host copies of the state's counts)."""
     width = self.config.max_steps_per_decision
-    if self.host is not None:
+    if self.host is not None:   # bursts: judged on the last chunk's worth of lengths
       self.host.session.sync(state)
-      return self.host.session.judge(since_B, width)
+      return self.host.session.judge(since_B, 4 * self.config.steps_per_decision)
     judge = self._on_mesh(functools.partial(retrospective_match, self.drafter, width))
     since = np.maximum(since_B, num_B - width)
     since = jax.device_put(since, self.placement and self.placement.shardings(

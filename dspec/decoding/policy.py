@@ -147,6 +147,8 @@ class PolicyState:
   payable: Tuple[int, ...]      # tiers that could beat AR (`CostTable.payable`)
   exact: bool
   retrospective: bool
+  bursty: bool                  # retrospective evidence of a host drafter (judged on its
+                                # last lengths, short tier-0 chunks first)
   cheap: bool
   carried: bool                 # a pooled prior carried from an earlier generation
   live_B: np.ndarray
@@ -165,15 +167,15 @@ class PolicyState:
   def start(cls, config: ControllerConfig, costs, batch: int, tiers, *, exact: bool,
             retrospective: bool, carried: bool, live_B, remaining_B,
             probe_every: Optional[int] = None,
-            depths: Optional[Dict[int, int]] = None) -> 'PolicyState':
+            depths: Optional[Dict[int, int]] = None, bursty: bool = False) -> 'PolicyState':
     """The state before a generation's first chunk (`costs` has this batch size);
     `depths`: tier -> drafts a step of it can accept, where that is not the tier (a tree
     tier g verifies g drafted nodes, at most its depth of them on one path)."""
     payable = costs.payable(batch, tiers, config.margin, depths)
     cheap = bool(payable) and exact and (retrospective or costs.propose[batch] <= (
         config.shadow_budget * config.steps_per_decision * costs[batch, 0]))
-    return cls(config, batch, tuple(tiers), payable, exact, exact and retrospective, cheap,
-               carried, np.asarray(live_B), np.asarray(remaining_B),
+    return cls(config, batch, tuple(tiers), payable, exact, exact and retrospective,
+               exact and retrospective and bursty, cheap, carried, np.asarray(live_B), np.asarray(remaining_B),
                probe_every or config.probe_every, chunk=config.steps_per_decision,
                depths=tuple(sorted((depths or {}).items())))
 
@@ -277,11 +279,14 @@ def decide(estimate, costs, state: PolicyState) -> Decision:
   elif g == 0 and not state.cheap:   # no evidence before the next probe: run until due
     chunk = probe_every - idle if state.payable else remaining
   elif g == 0 and state.retrospective:
-    # Judged in retrospect (its last `max_steps_per_decision` lengths: the verdict is
-    # about now), a tier-0 chunk of any length is evidence, and running AR loses nothing
-    # but the speedup not taken: long chunks (x4 in steps and in time).
-    chunk = max(min(4 * cfg.max_steps_per_decision,
-                    int(4 * cfg.chunk_seconds / costs[b, 0])), cfg.steps_per_decision)
+    # Judged in retrospect (its last lengths: the verdict is about now), a tier-0 chunk of
+    # any length is evidence, and running AR loses nothing but the speedup not taken: long
+    # chunks (x4 in steps and in time). A host drafter's paying stretches come in bursts
+    # (a repeated passage): its chunks start short and double while nothing pays.
+    long = max(min(4 * cfg.max_steps_per_decision, int(4 * cfg.chunk_seconds / costs[b, 0])),
+               cfg.steps_per_decision)
+    chunk = long if not state.bursty else min(
+        2 * state.chunk if state.prev == 0 else 2 * cfg.steps_per_decision, long)
   else:
     # Growing chunks amortise host syncs (x4 at tier 0, where nothing is verified); with
     # shadow drafts the first tier-0 chunks stay short: each is one sample.

@@ -125,18 +125,24 @@ def _host_walk(taken, proposed=True, samples=8):
 
 def test_host_drafters_fall_back_to_tier_0_and_speculate_where_a_walk_pays():
   """A host drafter is judged in retrospect (its fallback is tier 0 of the policy): a
-  silent one (suffix misses) or one whose drafts are rejected runs long tier-0 chunks,
-  each judged; a walk that takes its drafts moves it to the tier that pays; at the
+  silent one (suffix misses) or one whose drafts are rejected runs tier-0 chunks, each
+  judged, short at first and doubling (its paying stretches come in bursts); a walk that takes its drafts moves it to the tier that pays; at the
   largest tier it runs without judging, growing its chunks; with no tier payable it runs
   plain AR to the end, judging nothing."""
   costs = _costs()
-  host = _state(costs, retrospective=True, chunks=1, prev=0)
-  assert host.cheap and host.retrospective
+  host = _state(costs, retrospective=True, bursty=True, chunks=1, prev=3)
+  assert host.cheap and host.retrospective and host.bursty
+  long = 4 * CFG.max_steps_per_decision
   for est in (_host_walk(0, proposed=False), _host_walk(0)):
-    d = decide(est, costs, host)
-    assert (d.tier, d.shadow, d.plain_ar, d.chunk) == (0, True, False,
-                                                       4 * CFG.max_steps_per_decision)
-  d = decide(_host_walk(3), costs, host)
+    d = decide(est, costs, host)   # short after a positive tier, doubling up to long
+    chunks = [d.chunk]
+    while chunks[-1] < long:
+      d = decide(est, costs, d.state)
+      assert (d.tier, d.shadow, d.plain_ar) == (0, True, False)
+      chunks.append(d.chunk)
+    assert chunks == [4, 8, 16, 32, 64]
+  assert decide(_host_walk(0), costs, dataclasses.replace(host, bursty=False)).chunk == long
+  d = decide(_host_walk(3), costs, dataclasses.replace(host, prev=0))
   assert (d.tier, d.shadow, d.chunk) == (3, False, CFG.steps_per_decision)
   d = decide(_host_walk(3), costs, d.state)
   assert (d.tier, d.chunk) == (3, 2 * CFG.steps_per_decision)
