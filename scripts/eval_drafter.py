@@ -3,12 +3,16 @@
   python scripts/eval_drafter.py --kind=dflash2 --path=demo/dflash2 \
       [--target=demo/target] [--data=demo/distill_demo8k] [--rows=64] \
       [--out=runs/eval/dflash2.json] [--force]
+  python scripts/eval_drafter.py --kind=dflash2 --path=demo/dflash2 --prompts=4
 
 --kind is a learned kind with a slot reader (`slot_acceptance.KINDS`: dflash, dflash2,
 dspark, eagle3, mtp); --path a checkpoint of that family (dspec or a published form dspec
 reads). The rows are the held-out rows of the training split (`distill.split_distilled`
 with the drafter configs' width and held-out fraction: spread over the whole
-distillation, so over its code and GSM8K prompts), at most --rows of them. At every
+distillation, so over its code and GSM8K prompts), at most --rows of them; with
+--prompts=N instead the first N prompts of HumanEval and of GSM8K test (`data/`, as
+`bench_trees.py` decodes them) and the target's greedy continuations of
+--max_new_tokens (the benchmark's distribution, not the training one). At every
 decode anchor of a row the drafter drafts its K slots as it does at T = 0
 (`dspec.training.slot_acceptance`); the table gives per slot p(hit | earlier slots hit),
 p(slots 1..k hit) and p(hit), then two τ estimates at fixed verification of the K drafts:
@@ -41,6 +45,11 @@ _TARGET = flags.DEFINE_string('target', 'demo/target', 'The target (dspec checkp
 _DATA = flags.DEFINE_string('data', 'demo/distill_demo8k', 'Distilled dataset '
                             '(scripts/distill.py) whose held-out rows are evaluated.')
 _ROWS = flags.DEFINE_integer('rows', 64, 'Most held-out rows to evaluate.')
+_PROMPTS = flags.DEFINE_integer('prompts', 0, 'Rows from this many HumanEval and GSM8K '
+                                'test prompts each and the target\'s greedy continuations '
+                                '(0: held-out rows of --data).', lower_bound=0)
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Continuation length (--prompts).',
+                                lower_bound=1)
 _OUT = flags.DEFINE_string('out', '', 'JSON file to write (optional).')
 _FORCE = flags.DEFINE_boolean('force', False, 'Replace an --out file dspec did not write.')
 
@@ -51,6 +60,30 @@ def _load(kind: str, path: str, target):
     raise UserError(f'--path={path} holds a {kind_of(drafter)} drafter, not {kind} '
                     f'(pass --kind={kind_of(drafter)})')
   return drafter
+
+
+def _greedy_rows(target, tokenizer, num_prompts: int, max_new_tokens: int):
+  """(tokens [R, S], loss mask [R, S]): each prompt of HumanEval and GSM8K test and the
+  target's T = 0 continuation, the mask on the continuation."""
+  import numpy as np
+  from flax import nnx
+  from dspec import datasets
+  from dspec.decoding import runner
+  from dspec.decoding.prompts import generated_ids, pad_prompts
+  prompts = [tokenizer.encode(p) for name in ('humaneval', 'gsm8k_test')
+             for p in datasets.load_prompts(name, 'data', num_prompts)]
+  graphdef, params = nnx.split(target)
+  ar = runner.speculative_engine(graphdef, stop_ids=tokenizer.stop_ids)
+  state = ar.generate(params, None, ar.prefill(params, None, *pad_prompts(prompts),
+                                               max_new_tokens=max_new_tokens))
+  rows = [p + g for p, g in zip(prompts, generated_ids(state))]
+  width = max(map(len, rows))
+  tokens_RS = np.zeros((len(rows), width), np.int32)
+  mask_RS = np.zeros((len(rows), width), bool)
+  for r, (p, row) in enumerate(zip(prompts, rows)):
+    tokens_RS[r, :len(row)] = row
+    mask_RS[r, len(p):len(row)] = True
+  return tokens_RS, mask_RS
 
 
 def main(argv):
@@ -70,17 +103,23 @@ def main(argv):
   model_cfg = common.model_config('demo')
   model_cfg.source = loading.target_source(_TARGET.value)
   model_cfg.path = _TARGET.value
-  target, _, _ = loading.build_target(model_cfg)
+  target, tokenizer, _ = loading.build_target(model_cfg)
   drafter = _load(_KIND.value, _PATH.value, target)
   mismatch = checkpoint.check_target_record(_PATH.value, target)
   if mismatch:
     print(f'warning: {mismatch}', file=sys.stderr, flush=True)
-  rows = split_distilled(load_distilled(_DATA.value), WIDTH, HELDOUT_FRACTION, _ROWS.value,
-                         _DATA.value)
-  table = slot_acceptance.slot_table(drafter, target, rows.held_tokens, rows.held_mask)
+  if _PROMPTS.value:
+    tokens_RS, mask_RS = _greedy_rows(target, tokenizer, _PROMPTS.value, _MAX_NEW.value)
+    source = f'{_PROMPTS.value} HumanEval + {_PROMPTS.value} GSM8K test prompts'
+  else:
+    rows = split_distilled(load_distilled(_DATA.value), WIDTH, HELDOUT_FRACTION,
+                           _ROWS.value, _DATA.value)
+    tokens_RS, mask_RS = rows.held_tokens, rows.held_mask
+    source = f'held-out rows of {_DATA.value}'
+  table = slot_acceptance.slot_table(drafter, target, tokens_RS, mask_RS)
 
-  print(f'{_KIND.value} {_PATH.value}: {len(rows.held_tokens)} held-out rows of '
-        f'{_DATA.value}, {table.num_anchors} anchors, K = {table.num_slots}')
+  print(f'{_KIND.value} {_PATH.value}: {len(tokens_RS)} {source}, '
+        f'{table.num_anchors} anchors, K = {table.num_slots}')
   print(f'{"slot":>4} {"p(hit|prev)":>11} {"p(1..k)":>8} {"p(hit)":>7} {"reached":>8}')
   for k in range(table.num_slots):
     print(f'{k + 1:>4} {table.conditional[k]:>11.3f} {table.start_hit[k]:>8.3f} '
@@ -90,7 +129,7 @@ def main(argv):
   if _OUT.value:
     files.write_json_atomic(_OUT.value, files.mark({
         'kind': _KIND.value, 'path': _PATH.value, 'target': _TARGET.value,
-        'data': _DATA.value, 'rows': len(rows.held_tokens), **table.to_dict()},
+        'data': source, 'rows': len(tokens_RS), **table.to_dict()},
         'eval_drafter'))
     print(f'wrote {_OUT.value}')
 

@@ -167,8 +167,9 @@ def _eval_drafter(*args):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_eval_drafter_cli_writes_the_table_and_refuses_bad_input(tmp_path):
-  """The script evaluates the held-out rows of a distilled set and writes its JSON; a
-  missing drafter, a non-dspec --out or a wrong --kind is one error line."""
+  """The script evaluates the held-out rows of a distilled set, or the benchmark prompts'
+  greedy continuations (--prompts), and writes its JSON; a missing drafter, a non-dspec
+  --out or a wrong --kind is one error line."""
   data = tmp_path / 'distilled'
   data.mkdir()
   rng = np.random.default_rng(0)
@@ -187,6 +188,13 @@ def test_eval_drafter_cli_writes_the_table_and_refuses_bad_input(tmp_path):
   # anchors 15..46: the last prompt token and every written token but the last
   assert table['num_anchors'] == 48 - 16 and len(table['conditional']) == 15
   assert 1.0 <= table['tau'] <= 16.0
+
+  bench = tmp_path / 'bench.json'   # the benchmark prompts' greedy continuations
+  done = _eval_drafter('--prompts=1', '--max_new_tokens=24', f'--out={bench}')
+  assert done.returncode == 0, done.stderr[-2000:]
+  table = json.loads(bench.read_text())
+  assert table['rows'] == 2 and 'GSM8K' in table['data'] and table['walk_steps'] >= 2
+  assert 2 <= table['num_anchors'] <= 48 and 1.0 <= table['walk_tau'] <= 16.0
 
   other = tmp_path / 'notes.json'
   other.write_text('{"mine": 1}')
