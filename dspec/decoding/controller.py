@@ -35,7 +35,7 @@ from dspec.decoding.engine import SpeculativeEngine
 from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, shadow_match,
                                      shadow_proposal)
 from dspec.decoding.host_loop import HostEngine
-from dspec.decoding.policy import ControllerConfig, PolicyState, decide
+from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
 from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
@@ -193,7 +193,7 @@ class VerifyLengthController:
     if policy.retrospective and policy.cheap:   # first, judged on the prompt's own text
       estimate.observe_shadow(*self._judge(state, np.zeros_like(num), num))
     while not done.all():
-      decision = decide(estimate, self.costs, policy)
+      decision = self.decide(estimate, policy)
       g, t0, num_before, matched = decision.tier, time.perf_counter(), num, None
       shadow_now = decision.shadow and not policy.retrospective
       if shadow_now:
@@ -231,6 +231,10 @@ class VerifyLengthController:
     self._probe_every[b] = policy.probe_every
     self._carried[b] = estimate.pooled()
     return state
+
+  def decide(self, estimate: AcceptanceEstimate, policy: PolicyState) -> Decision:
+    """The next chunk's `Decision`: `policy.decide` on this controller's cost table."""
+    return decide(estimate, self.costs, policy)
 
   def _judge(self, state, since_B: np.ndarray, num_B: np.ndarray):
     """Shadow samples judged in retrospect over the lengths since `since_B`, at most the
