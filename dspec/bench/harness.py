@@ -73,7 +73,9 @@ from dspec.errors import UserError
 from dspec.decoding import drafter as drafter_lib
 from dspec.decoding import runner
 from dspec.decoding.drafters import registry
+from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import encode_prompts, generated_ids, pad_prompts
+from dspec.decoding.tree_engine import TreeConfig
 from dspec.metrics import acceptance_metrics, distinct_ngram_ratio
 _STAT_FIELDS = ('steps_B', 'committed_B', 'accept_hist_BG1', 'proposed_B', 'accepted_B',
                 'reached_BG', 'passed_BG')
@@ -315,6 +317,9 @@ class Benchmark:
     self.target, self.tokenizer, self.max_seq_len = loading.build_target(cfg.model)
     self.graphdef, self.params = nnx.split(self.target)
     self.stop_ids = tuple(self.tokenizer.stop_ids)
+    # The decode config's controller knobs and tree shape, as the CLI and the API take them.
+    self.controller = ControllerConfig.from_config(cfg.get('controller', {}))
+    self.tree = TreeConfig.from_config(cfg.tree) if 'tree' in cfg else TreeConfig()
     self.plan, self.skipped = plan_methods(cfg)
     self.drafters = {}   # built once (checkpoints load once, bad ones fail before timing)
     for method, size in self.plan:
@@ -355,7 +360,8 @@ class Benchmark:
     spec = settings.sampling()
     if (key, verify_length, spec) not in self.engines:
       engine = runner.speculative_engine(self.graphdef, drafter, spec, self.stop_ids,
-                                         verify_length=verify_length or 'fixed')
+                                         verify_length=verify_length or 'fixed',
+                                         controller=self.controller, tree=self.tree)
       self.engines[key, verify_length, spec] = Engines(engine, verify_length)
     return self.engines[key, verify_length, spec]
 

@@ -441,3 +441,18 @@ def test_a_host_controller_compiles_nothing_once_warm(tiny_split):
     jax.monitoring.unregister_event_duration_listener(listener)
   assert not [name for name in compiles if 'backend_compile' in name]
   assert int(jax.device_get(state.stats.steps_B).sum()) > 0
+
+
+def test_the_benchmark_takes_the_controller_knobs_and_tree_shape(tmp_path):
+  """`--config.controller.*` and `--config.tree.*` reach the benchmark's engines, as they
+  reach the CLI's and the API's (they were once silently ignored)."""
+  cfg = _tiny_cfg()
+  cfg.bench.methods = ('ngram',)
+  cfg.controller.ema, cfg.tree.num_nodes, cfg.tree.top_k = 0.5, 8, 2
+  bench = harness.Benchmark(cfg, str(tmp_path), 'test')
+  (drafter, _), = bench.drafters.values()
+  settings = runner.Settings.from_config(cfg)
+  auto = bench._engines('ngram', drafter, settings, 'auto').engine
+  assert isinstance(auto, VerifyLengthController) and auto.config.ema == 0.5
+  tree = bench._engines('ngram', drafter, settings, 'tree').engine
+  assert tree.num_nodes == 8
