@@ -259,7 +259,7 @@ def main(argv):
     # A private suffix cache per method and B: no run drafts from its own earlier answers.
     for e, _, host in methods.values():
       if host:
-        (e.host if e.adaptive else e).use_factory(
+        e.host.use_factory(
             drafter_lib.host_drafter_factory(e.drafter, private=True))
     # Warm-up (compile; the controllers profile), then timed rounds with the methods
     # interleaved so that load drift on a shared machine hits them alike.

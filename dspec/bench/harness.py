@@ -163,7 +163,7 @@ def run_batches(runs: Sequence[tuple], target_params, batches: list,
     if engine.adaptive:
       result.tier_steps = {}
     if host_factory is not None:   # this run's own cross-request cache
-      (engine.host if engine.adaptive else engine).use_factory(host_factory)
+      engine.host.use_factory(host_factory)
     results.append(result)
     generations.append(runner.Generation(engine, target_params, drafter_params))
   for i, batch in enumerate(batches):

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.host_loop import HostEngine
 from dspec.decoding.prompts import generated_ids, pad_prompts
 from dspec.sharding import state_logical_axes
 
@@ -62,7 +61,7 @@ def serve(engine, target_params, drafter_params,
   """
   if not requests or batch_size < 1:
     raise ValueError('serve needs at least one request and batch_size >= 1')
-  if isinstance(engine, HostEngine) or getattr(engine, 'host', None) is not None:
+  if getattr(engine, 'host', None) is not None:
     raise ValueError('serve refills rows on the device; a drafter proposing on the host '
                      '(suffix) decodes through dspec.generate / scripts/decode.py')
   width = max(len(r) for r in requests)

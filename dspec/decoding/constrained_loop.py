@@ -17,15 +17,13 @@ equals (T = 0) or matches in distribution (T > 0).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dspec.decoding.host_loop import HostEngine, verify_width
-from dspec.decoding.prompts import row_tokens
+from dspec.decoding.prompts import read_committed, row_tokens
 from dspec.decoding.state import Proposal, StepMasks
 from dspec.decoding.tree_engine import TreeEngine
 from dspec.structured.matcher import RowConstraints
@@ -60,7 +58,6 @@ def generate_constrained(engine, target_params, drafter_params, state,
   sequences = row_tokens(tokens, num)
   rows.commit([[seq[-1]] for seq in sequences])   # the prefill's token
   if isinstance(engine, TreeEngine):
-    width = engine.max_depth + 1
     while not np.all(done):
       state, tree = engine.propose(target_params, drafter_params, state)
       next_BW = rows.next_masks(done)   # while the device drafts
@@ -68,9 +65,8 @@ def generate_constrained(engine, target_params, drafter_params, state,
                                                      tree.num_nodes_B)), done, next_BW)
       state = engine.masked_step(target_params, drafter_params, state, tree,
                                  jax.device_put(allowed_BNW))
-      num, done = _commit(state, sequences, num, width, rows)
+      num, done = _commit(state, sequences, num, rows)
     return state
-  width = engine.num_draft + 1
   while not np.all(done):
     if host_drafter is not None:
       next_BW = rows.next_masks(done)
@@ -92,34 +88,17 @@ def generate_constrained(engine, target_params, drafter_params, state,
                                        np.minimum(own_B, g))))
     state = engine.masked_step(target_params, drafter_params, state, proposal, masks,
                                synced=synced)
-    num, done = _commit(state, sequences, num, width, rows)
+    num, done = _commit(state, sequences, num, rows)
   if host is not None:
     host.finish(state)
   return state
 
 
-def _commit(state, sequences, num, width: int, rows: RowConstraints) -> tuple:
+def _commit(state, sequences, num, rows: RowConstraints) -> tuple:
   """Reads the step's committed tokens back into `sequences` and advances the matchers by
   them; returns (tokens per row, done per row)."""
   before = num
-  num, done = _read_back(state, sequences, num, width)
+  num, done = read_committed(state, sequences, num)
   rows.commit([seq[len(seq) - (n - m):] for seq, n, m in zip(sequences, num, before)])
   return num, done
 
-
-@functools.partial(jax.jit, static_argnums=2)
-def _committed_since(state, since_B, width: int):
-  """(tokens at since_B + 0..width-1 [B, width], num_tokens_B, done_B)."""
-  b, length = state.tokens_BL.shape
-  idx_BW = jnp.minimum(since_B[:, None] + jnp.arange(width)[None, :], length - 1)
-  return state.tokens_BL[jnp.arange(b)[:, None], idx_BW], state.num_tokens_B, state.done_B
-
-
-def _read_back(state, sequences, num, width: int) -> tuple:
-  """Appends what was committed since `num` (at most `width` per row) to `sequences`;
-  returns (num, done)."""
-  new_BW, new_num, done = jax.device_get(
-      _committed_since(state, jax.device_put(np.asarray(num, np.int32)), width))
-  for b, seq in enumerate(sequences):
-    seq.extend(new_BW[b, :new_num[b] - num[b]].tolist())
-  return new_num, done

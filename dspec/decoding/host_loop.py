@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from dspec import distributed
-from dspec.decoding.prompts import row_tokens
+from dspec.decoding.prompts import read_committed, row_tokens
 from dspec.decoding.state import Proposal
 
 
@@ -42,11 +42,7 @@ class HostSession:
 
   def sync(self, state) -> np.ndarray:
     """Appends what `state` committed since the last sync; returns its done_B."""
-    tokens_BL, num_B, done_B = distributed.host_values(
-        (state.tokens_BL, state.num_tokens_B, state.done_B))
-    for b, seq in enumerate(self.sequences):
-      seq.extend(tokens_BL[b, self.num_B[b]:num_B[b]].tolist())
-    self.num_B = num_B
+    self.num_B, done_B = read_committed(state, self.sequences, self.num_B)
     return done_B
 
   def propose(self, live_B: np.ndarray, width: int) -> Proposal:
@@ -105,6 +101,7 @@ class HostEngine:
     """Later generations take their host drafters from `host_factory`."""
     self.shared['factory'] = host_factory
 
+  host = property(lambda self: self)   # as the controller's: the engine holding the session
   session = property(lambda self: self.shared['session'])
   num_draft = property(lambda self: self.width)
   drafter = property(lambda self: self.engine.drafter)

@@ -91,6 +91,17 @@ def row_tokens(tokens_BL: np.ndarray, end_B, start_B=None) -> list[list[int]]:
   return [tokens_BL[b, start_B[b]:end_B[b]].tolist() for b in range(len(end_B))]
 
 
+def read_committed(state, sequences: list, num_B) -> tuple:
+  """Appends to each row's list what `state` committed after its num_B tokens; returns the
+  state's (num_tokens_B, done_B) as host arrays."""
+  from dspec import distributed
+  tokens_BL, new_B, done_B = distributed.host_values(
+      (state.tokens_BL, state.num_tokens_B, state.done_B))
+  for b, seq in enumerate(sequences):
+    seq.extend(tokens_BL[b, num_B[b]:new_B[b]].tolist())
+  return new_B, done_B
+
+
 def generated_ids(state) -> list[list[int]]:
   """Generated token ids of each row of a decode state (prompt excluded)."""
   import jax
