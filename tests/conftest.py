@@ -1,7 +1,19 @@
 """Shared tiny models: built once per session so jitted programs are reused across tests."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+
+# One compile cache per test run, shared by its xdist workers and the scripts the tests start:
+# identical programs compile once per run (the decoding engines rebuild the same programs under
+# new jit objects), and no test reads or writes the user's own cache. Set before dspec is
+# imported (its default cache folder reads XDG_CACHE_HOME); workers inherit the variable.
+if 'DSPEC_TEST_CACHE_HOME' not in os.environ:
+  os.environ['DSPEC_TEST_CACHE_HOME'] = tempfile.mkdtemp(prefix='dspec-test-cache-')
+  atexit.register(shutil.rmtree, os.environ['DSPEC_TEST_CACHE_HOME'], ignore_errors=True)
+os.environ['XDG_CACHE_HOME'] = os.environ['DSPEC_TEST_CACHE_HOME']
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +28,8 @@ from dspec import compiled_programs  # noqa: E402
 from dspec.decoding.prompts import generated_ids, pad_prompts  # noqa: E402
 from dspec.models.config import TransformerConfig  # noqa: E402
 from dspec.models.transformer import Transformer  # noqa: E402
+
+compiled_programs.enable_persistent_cache(compiled_programs.DEFAULT_CACHE_DIR)
 
 
 # The quick check, `pytest -m 'not slow and not multiprocess'`, runs the tests outside both

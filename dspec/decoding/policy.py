@@ -199,12 +199,16 @@ class PolicyState:
                remaining_B, shadow_samples: int = 0) -> 'PolicyState':
     """The state after `decision`'s chunk ran `steps` row-steps and committed `committed`
     tokens: a positive tier's realised / predicted tokens (capped at 1) averaged into its
-    ratio, which corrects estimates that lag behind a row leaving a repetitive stretch."""
+    ratio, which corrects estimates that lag behind a row leaving a repetitive stretch.
+    A tier-0 chunk that brought shadow samples clears the ratios: the estimate is fresh
+    again, and a ratio kept from the last positive chunk would hold AR past the stretch."""
     realised = dict(self.realised)
     g = decision.tier
     if g and steps:
       per_row = decision.predicted[g] / self.ratio(g) * steps / max(np.sum(self.live_B), 1)
       realised[g] = 0.5 * (self.ratio(g) + min(committed / per_row, 1.0))
+    elif not g and shadow_samples:
+      realised = {}
     return dataclasses.replace(
         self, live_B=np.asarray(live_B), remaining_B=np.asarray(remaining_B),
         shadowed=self.shadowed + shadow_samples, realised=tuple(sorted(realised.items())))

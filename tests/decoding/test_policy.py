@@ -163,6 +163,13 @@ def test_realised_ratio_scales_a_tier_down():
   after = d.state.observed(d, committed=2.0, steps=2, live_B=[True], remaining_B=[98])
   assert after.ratio(3) == pytest.approx(0.5 * (1 + 1 / d.predicted[3]))
   assert decide(_estimate(3), costs, after).predicted[3] < d.predicted[3]
+  # A tier-0 chunk with fresh shadow samples clears it; one without keeps it.
+  ar = dataclasses.replace(d, tier=0)
+  kept = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94])
+  assert kept.ratio(3) == after.ratio(3)
+  cleared = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94],
+                           shadow_samples=1)
+  assert cleared.ratio(3) == 1.0
 
 
 def test_makespan_objective():
