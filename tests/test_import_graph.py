@@ -158,8 +158,7 @@ def test_no_module_imports_a_higher_layer():
   assert not upward, 'imports from a lower layer to a higher one:\n' + '\n'.join(upward)
 
 
-ENGINES = ('SpeculativeEngine', 'TreeEngine', 'VerifyLengthController', 'ShardedEngine',
-           'HostEngine')
+ENGINES = ('SpeculativeEngine', 'TreeEngine', 'VerifyLengthController', 'HostEngine')
 # Where an engine may be constructed: the builder, and the controller it builds, which
 # makes its own tier engines (a host engine's tiers share its session: `with_width`).
 ENGINE_BUILDERS = {('dspec/decoding/runner.py', 'speculative_engine'),

@@ -36,7 +36,6 @@ from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, sh
                                      shadow_proposal)
 from dspec.decoding.host_loop import HostEngine
 from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
-from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.sampling import SamplingSpec
@@ -44,7 +43,7 @@ from dspec.sampling import SamplingSpec
 
 class VerifyLengthController:
   """The engine protocol (`prefill`, `generate`) choosing a tier per chunk; `last_trace`
-  lists (tier, row-steps, seconds). `placement`: every tier sharded over a mesh; `tree`:
+  lists (tier, row-steps, seconds). `placement`: every tier runs on a mesh; `tree`:
   node-budget tiers; `profiled`: tables by `costs.fingerprint`, shared across
   controllers (`runner.decode` builds one per call)."""
 
@@ -67,10 +66,10 @@ class VerifyLengthController:
     self.max_gamma = drafter.num_draft if tree else max(tiers)
     self.depths = {g: min(g, self.max_gamma) for g in tiers} if tree else {}
 
-    def make(d, traced=trace, placed=True):
-      engine = SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
-                                 stop_ids=stop_ids, trace=traced and not tree)
-      return ShardedEngine(engine, placement) if placement and placed else engine
+    def make(d, traced=trace):
+      return SpeculativeEngine(target_graphdef, drafter=d, sampling=sampling,
+                               stop_ids=stop_ids, trace=traced and not tree,
+                               placement=placement)
 
     self._make = make
     largest = tiers[self.max_gamma] if not tree else drafter
@@ -80,12 +79,10 @@ class VerifyLengthController:
     self._checked = tree is not None or self.host is not None   # tiers share one state
     engines = {g: self.host.with_width(g) if self.host and g else make(d)
                for g, d in tiers.items()}
-    if tree:   # each tree tier placed as a whole (its program drafts and verifies)
-      chain, proposer = make(drafter, placed=False), drafter.tree_proposer(tree.top_k)
+    if tree:   # node-budget tiers over the chain engine (and so on its placement)
+      chain, proposer = self._chain, drafter.tree_proposer(tree.top_k)
       engines.update({g: TreeEngine(chain, proposer, g + 1, self.depths[g], trace)
                       for g in tiers if g})
-      if placement:
-        engines.update({g: ShardedEngine(e, placement) for g, e in engines.items() if g})
     self._set_engines(engines)
     self.last_trace, self.row0_tiers = [], []
     self._probe_every = {}  # batch size -> tier-0 probe interval, kept across generations

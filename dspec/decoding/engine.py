@@ -20,6 +20,14 @@ calls `step` with a host-made proposal. Compiled programs are cached per engine 
 buffer shape as closures (the engine's hash is computed once), so a call costs no
 static-argument hashing, in an LRU (`compiled_programs.ProgramCache`) that bounds what a
 long-lived process holds.
+
+An engine with a `placement` (a device mesh) compiles the same programs with in/out
+shardings (`jit_program`, the one jit site of both engines): params keep the sharding they
+were placed with, the decode state is sharded by its declared logical axes (batch over the
+`batch` mesh axes, KV heads over `tensor`), and calls run under the mesh, so Pallas kernels
+wrap themselves in `jax.shard_map`. Across processes (`dspec.distributed`) the leaves the
+host reads between calls are replicated, so every process takes the same decisions, and
+prompts enter as global arrays.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from dspec import distributed, sharding
 from dspec.compiled_programs import ProgramCache
 from dspec.decoding import drafter as drafter_lib
 from dspec.sampling import SamplingSpec, processed_probs, sample_from_probs
@@ -45,17 +55,18 @@ NO_STEP_LIMIT = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=256)
-def device_scalar(value, dtype=np.int32) -> jax.Array:
-  """`value` as a device scalar of `dtype`, transferred once: chunk limits repeat, and
-  each transfer costs host time at every chunk boundary."""
-  return jax.device_put(np.dtype(dtype).type(value))
+def device_scalar(value, dtype=np.int32, placement=None) -> jax.Array:
+  """`value` as a device scalar of `dtype` (replicated over `placement`'s mesh), transferred
+  once: chunk limits repeat, and each transfer costs host time at every chunk boundary."""
+  value = np.dtype(dtype).type(value)
+  return jax.device_put(value, placement and placement.shardings(P()))
 
 
 @typing.runtime_checkable
 class Engine(typing.Protocol):
   """What the runner, the benchmarks and `batching.serve` call: the chain engine
-  (`SpeculativeEngine`), `tree_engine.TreeEngine`, `host_loop.HostEngine`, their
-  `sharded.ShardedEngine` placements, and the controller driving them
+  (`SpeculativeEngine`), `tree_engine.TreeEngine`, `host_loop.HostEngine` (each on one
+  device or a mesh `placement`), and the controller driving them
   (`controller.VerifyLengthController`, `adaptive`)."""
 
   adaptive: bool
@@ -85,7 +96,8 @@ class SpeculativeEngine:
   """Static description of a decoding program (hashable; keys the compiled programs).
 
   target_graphdef: `nnx.split(target)[0]`; params are passed to every call separately.
-  trace: record row 0's proposals per step (`DecodeState.trace`).
+  trace: record row 0's proposals per step (`DecodeState.trace`). placement: the mesh its
+  programs run on (None: one device); params must be placed on it (`Placement.put_params`).
   """
 
   target_graphdef: Any
@@ -93,6 +105,7 @@ class SpeculativeEngine:
   sampling: SamplingSpec = SamplingSpec()
   stop_ids: Tuple[int, ...] = ()
   trace: bool = False
+  placement: Optional[sharding.Placement] = None
   # The engine protocol's controller face (`VerifyLengthController` overrides both): a
   # fixed engine verifies every proposal whole and reports no tiers.
   adaptive = False
@@ -105,7 +118,7 @@ class SpeculativeEngine:
     cached = self.__dict__.get('_hash')
     if cached is None:
       cached = hash((self.target_graphdef, self.drafter, self.sampling, self.stop_ids,
-                     self.trace))
+                     self.trace, self.placement))
       object.__setattr__(self, '_hash', cached)
     return cached
 
@@ -336,12 +349,22 @@ class SpeculativeEngine:
               buffer_len: Optional[int] = None, allowed_BW=None) -> DecodeState:
     """`prefill_fn` jitted. buffer_len: at least the prompt width and every row's prompt +
     max_new_tokens (`runner.decode` passes a shape bucket); None: `self.buffer_len`.
-    allowed_BW: see `prefill_fn`."""
-    buffer_len = buffer_len or self.buffer_len(prompt_BP.shape[1], max_new_tokens)
-    inputs = jax.device_put((np.asarray(prompt_BP, np.int32),
-                             np.asarray(prompt_len_B, np.int32), np.float32(temperature),
-                             np.float32(top_p), np.int32(max_new_tokens), np.int32(seed)))
-    return _programs(self, (prompt_BP.shape[0], buffer_len))['prefill'](
+    allowed_BW: see `prefill_fn`. On a mesh the batch size must divide by its batch axes."""
+    b, p = prompt_BP.shape
+    buffer_len = buffer_len or self.buffer_len(p, max_new_tokens)
+    inputs = (np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32),
+              np.float32(temperature), np.float32(top_p), np.int32(max_new_tokens),
+              np.int32(seed))
+    if self.placement is None:
+      inputs = jax.device_put(inputs)
+    else:   # the program places them; across processes the prompts enter as global arrays
+      multiple = self.placement.batch_size_multiple
+      if b % multiple:
+        raise ValueError(f'batch size {b} is not divisible by the mesh batch axes '
+                         f'(size {multiple}); use a multiple of {multiple}')
+      if distributed.active():
+        inputs = self.placement.put_batch(inputs[:2]) + inputs[2:]
+    return _programs(self, (b, buffer_len))['prefill'](
         target_params, drafter_params, *inputs, allowed_BW, buffer_len=buffer_len)
 
   def run(self, target_params, drafter_params, state, max_steps: Optional[int] = None, *,
@@ -349,8 +372,9 @@ class SpeculativeEngine:
     """`run_fn` jitted (the state is donated); `max_steps` None: no step limit.
     `force_wide` (`step_fn`) is a traced argument: timing the drafting step costs no
     extra compile."""
-    limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
-    force_wide = device_scalar(bool(force_wide), np.bool_)
+    limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps),
+                          placement=self.placement)
+    force_wide = device_scalar(bool(force_wide), np.bool_, self.placement)
     name = 'run_until_row_done' if until_row_done else 'run'
     programs = _programs(self, state.tokens_BL.shape)
     return programs[name](target_params, drafter_params, state, limit, force_wide)
@@ -440,16 +464,84 @@ def _once_if(pred, fn, carry):
                             lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), carry))[1]
 
 
+def jit_program(engine, fn, **jit_kw):
+  """`fn(target_params, drafter_params, *args)` jitted for `engine`: plainly, or on its
+  placement's mesh (`_PlacedProgram`). Every engine program is built here."""
+  if engine.placement is None:
+    return jax.jit(fn, **jit_kw)
+  jit_kw.pop('static_argnames', None)   # bound per call (in_shardings rule out kwargs)
+  return _PlacedProgram(engine.placement, fn, jit_kw)
+
+
+class _PlacedProgram:
+  """`fn` jitted with a placement's in/out shardings, called under its mesh. The shardings
+  follow from the arguments (`_shardings`), so one jit is built per argument structure, at
+  its first call (a program set holds one state shape). Across processes a `DecodeState`
+  argument is first moved to the program's shardings (a no-op for leaves already there,
+  e.g. a state the controller re-placed with `put_state`)."""
+
+  def __init__(self, placement: sharding.Placement, fn, jit_kw: dict):
+    self.placement, self.fn, self.jit_kw, self.jits = placement, fn, jit_kw, {}
+
+  def __call__(self, target_params, drafter_params, *args, **static):
+    key = (jax.tree.structure(args), tuple(sorted(static.items())))
+    with self.placement.context():
+      if key not in self.jits:
+        self.jits[key] = self._build(target_params, drafter_params, args, static)
+      jitted, args_sh = self.jits[key]
+      if distributed.active():
+        args = tuple(jax.device_put(x, sh) if isinstance(x, DecodeState) else x
+                     for x, sh in zip(args, args_sh))
+      return jitted(target_params, drafter_params, *args)
+
+  def _build(self, target_params, drafter_params, args, static):
+    fn = functools.partial(self.fn, **static)
+    out = jax.eval_shape(fn, target_params, drafter_params, *args)
+    args_sh = _shardings(self.placement, args)
+    params_sh = tuple(jax.tree.map(lambda x: x.sharding, p)
+                      for p in (target_params, drafter_params))
+    return jax.jit(fn, in_shardings=params_sh + args_sh,
+                   out_shardings=_shardings(self.placement, out), **self.jit_kw), args_sh
+
+  def clear_cache(self):   # `ProgramCache` eviction
+    for jitted, _ in self.jits.values():
+      jitted.clear_cache()
+    self.jits.clear()
+
+
+# What the host reads of a state between calls: replicated across processes.
+_HOST_READ = ('tokens_BL', 'num_tokens_B', 'prompt_len_B', 'done_B', 'stats')
+
+
+def _shardings(placement: sharding.Placement, tree):
+  """The shardings of a program's arguments or result: a struct declaring `LOGICAL_AXES`
+  by them (`Placement.state_specs`; across processes a `DecodeState`'s `_HOST_READ` leaves
+  replicated), another array with its leading axis on the batch axes (prompts, masks,
+  trees), a scalar replicated."""
+  declared = lambda x: hasattr(type(x), 'LOGICAL_AXES')
+
+  def one(x):
+    if not declared(x):
+      return placement.batch_specs(x) if hasattr(x, 'shape') else P()
+    specs = placement.state_specs(x)
+    if isinstance(x, DecodeState) and distributed.active():
+      specs = specs.replace(**{name: jax.tree.map(lambda _: P(), getattr(specs, name),
+                                                  is_leaf=lambda s: isinstance(s, P))
+                               for name in _HOST_READ})
+    return specs
+  return placement.shardings(jax.tree.map(one, tree, is_leaf=declared))
+
+
 @ProgramCache
 def _programs(engine: SpeculativeEngine) -> dict:
   """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
+  jit = functools.partial(jit_program, engine)
   return {
-      'prefill': jax.jit(engine.prefill_fn, static_argnames=('buffer_len',)),
-      'run': jax.jit(engine.run_fn, donate_argnums=2),
-      'run_until_row_done': jax.jit(
+      'prefill': jit(engine.prefill_fn, static_argnames=('buffer_len',)),
+      'run': jit(engine.run_fn, donate_argnums=2),
+      'run_until_row_done': jit(
           functools.partial(engine.run_fn, until_row_done=True), donate_argnums=2),
-      'step': jax.jit(engine.step_fn, donate_argnums=2),
-      'propose': jax.jit(engine.propose_fn, donate_argnums=2),
-      'step_synced': jax.jit(functools.partial(engine.step_fn, synced=True),
-                             donate_argnums=2),
+      'step': jit(engine.step_fn, donate_argnums=2),
+      'propose': jit(engine.propose_fn, donate_argnums=2),
+      'step_synced': jit(functools.partial(engine.step_fn, synced=True), donate_argnums=2),
   }

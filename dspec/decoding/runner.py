@@ -31,7 +31,6 @@ from dspec.decoding.policy import ControllerConfig
 from dspec.decoding.prompts import (bucket_shapes, encode_prompts, generated_ids,
                                     pad_prompts)
 from dspec.sampling import SamplingSpec
-from dspec.decoding.sharded import ShardedEngine
 from dspec.decoding.state import TreeTrace
 from dspec.decoding.tree_engine import TreeConfig, TreeEngine
 from dspec.errors import UserError
@@ -225,7 +224,7 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
   benchmarks and scripts; a test over the source checks it). With verify_length 'auto'
   the load-aware controller, which picks each chunk's verify length from
   `controller.tiers` (up to the drafter's num_draft; tier 0 is plain AR; with a mesh
-  `placement` every tier's engine is sharded; a host-side drafter's positive tiers are
+  `placement` every tier's engine runs on it; a host-side drafter's positive tiers are
   `HostEngine`s); with 'fixed' (and for AR) every step verifies the whole proposal
   (a host-side drafter's: `HostEngine`); with
   'tree' every step verifies a token tree of up to `tree.num_nodes` nodes
@@ -254,14 +253,13 @@ def speculative_engine(graphdef, drafter=None, spec: SamplingSpec = SamplingSpec
           config=dataclasses.replace(controller, tiers=tuple(sorted(
               budgets | {tree.num_nodes - 1}))), placement=placement, profiled=profiled,
           cost_table=cost_table)
-    chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids)
-    engine = TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
-                        max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
-    return ShardedEngine(engine, placement) if placement else engine
+    chain = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
+                              placement=placement)
+    return TreeEngine(chain, drafter.tree_proposer(tree.top_k), tree.num_nodes,
+                      max_depth=min(tree.num_nodes - 1, gamma), trace=trace)
   if verify_length == 'fixed' or gamma == 0:
     engine = SpeculativeEngine(graphdef, drafter=drafter, sampling=spec, stop_ids=stop_ids,
-                               trace=trace)
-    engine = ShardedEngine(engine, placement) if placement else engine
+                               trace=trace, placement=placement)
     host_factory = drafter_lib.host_drafter_factory(drafter)
     return HostEngine(engine, host_factory) if host_factory else engine
   tiers = tuple(sorted({g for g in controller.tiers if g < gamma} | {gamma}))
@@ -436,7 +434,8 @@ def run_decode(cfg, prompts: Optional[Sequence] = None, *, trace: bool = False,
   constraint: a `dspec.structured.Constraint` for every prompt (structured output).
 
   With `cfg.mesh` set, params and decode state are sharded over that mesh and the same
-  programs run with in/out shardings (`ShardedEngine`); tokens equal the 1-device run.
+  programs run with in/out shardings (the engines' `placement`); tokens equal the 1-device
+  run.
   """
   config_checks.check_decode_config(cfg)   # every knob, before anything loads
   settings = Settings.from_config(cfg)

@@ -29,7 +29,7 @@ from flax import nnx
 from dspec.compiled_programs import ProgramCache
 from dspec.config_checks import check_int
 from dspec.decoding.engine import (NO_STEP_LIMIT, SpeculativeEngine, device_scalar,
-                                   mask_logits, run_steps)
+                                   jit_program, mask_logits, run_steps)
 from dspec.decoding.state import DecodeState, TreeTrace
 from dspec.decoding.tree import DraftTree, compact_path
 from dspec.decoding.tree_verification import verify_tree
@@ -91,7 +91,7 @@ def tree_forward(target, tree: DraftTree, cache, taps):
 class TreeEngine:
   """Tree-verifying decoding program (hashable; keys its compiled programs).
 
-  engine: the chain engine (target, drafter, sampling, stop ids). proposer: its
+  engine: the chain engine (target, drafter, sampling, stop ids, placement). proposer: its
   `propose_tree(drafter, params, state, target, ctx, key, num_nodes) -> DraftTree`.
   max_depth: the deepest node verified (a step commits at most max_depth + 1 tokens).
   trace: record row 0's tree and accepted path per step (`DecodeState.trace`).
@@ -118,6 +118,11 @@ class TreeEngine:
   @property
   def sampling(self):
     return self.engine.sampling
+
+  @property
+  def placement(self):
+    """The chain engine's: the tree's programs run on the mesh its prefill places on."""
+    return self.engine.placement
 
   @property
   def drafter(self):
@@ -268,7 +273,8 @@ class TreeEngine:
     """Up to `max_steps` steps (None: to the end; `until_row_done`: also until a live row
     finishes). `force_wide` (the controller's profile) changes nothing."""
     del force_wide
-    limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps))
+    limit = device_scalar(NO_STEP_LIMIT if max_steps is None else int(max_steps),
+                          placement=self.placement)
     name = 'run_until_row_done' if until_row_done else 'run'
     return _programs(self, state.tokens_BL.shape)[name](target_params, drafter_params,
                                                         state, limit)
@@ -295,12 +301,13 @@ class TreeEngine:
 
 @ProgramCache
 def _programs(engine: TreeEngine) -> dict:
-  """The engine's jitted programs; one set per (batch, buffer) shape of its states."""
-  return {'run': jax.jit(engine.run_fn, donate_argnums=2),
-          'run_until_row_done': jax.jit(functools.partial(engine.run_fn,
-                                                          until_row_done=True),
-                                        donate_argnums=2),
-          'propose': jax.jit(engine.propose_fn, donate_argnums=2),
-          'step_synced': jax.jit(functools.partial(engine.step_fn, synced=True),
-                                 donate_argnums=2),
+  """The engine's jitted programs; one set per (batch, buffer) shape of its states (the
+  trace's zeros on one device: trees on a mesh record no trace)."""
+  jit = functools.partial(jit_program, engine)
+  return {'run': jit(engine.run_fn, donate_argnums=2),
+          'run_until_row_done': jit(functools.partial(engine.run_fn, until_row_done=True),
+                                    donate_argnums=2),
+          'propose': jit(engine.propose_fn, donate_argnums=2),
+          'step_synced': jit(functools.partial(engine.step_fn, synced=True),
+                             donate_argnums=2),
           'trace_zeros': jax.jit(TreeTrace.zeros, static_argnums=(0, 1, 2))}

@@ -133,8 +133,8 @@ def test_pallas_kernel_is_shard_mapped_and_exact(mesh_results):
 def test_decode_runner_on_a_mesh_is_lossless(mesh_results):
   assert mesh_results['runner']['lossless'] is True
   assert len(mesh_results['runner']['output_ids']) == 8
-  # A second call in the same buckets reuses the sharded programs (one LRU per engine and
-  # placement), as on one device.
+  # A second call in the same buckets reuses the placed engines' programs (their one LRU),
+  # as on one device.
   assert mesh_results['runner']['again_lossless'] is True
   assert mesh_results['runner']['again_engine_compiles'] == []
 
