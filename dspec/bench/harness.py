@@ -406,6 +406,9 @@ class Benchmark:
       costs[method, size] = self._draft_cost((method, size), drafter, params, settings,
                                              batches[0])
       for vl in self.verify_lengths:
+        if vl in ('tree', 'auto_tree') and isinstance(drafter, drafter_lib.HostProposing):
+          self.skipped[f'{method} {vl}'] = 'a host-side drafter has no tree mode'
+          continue
         keys.append((method, size, vl))
         runs.append((self._engines((method, size), drafter, settings, vl), params,
                      drafter_lib.host_drafter_factory(drafter, private=True)))

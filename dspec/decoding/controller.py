@@ -210,12 +210,13 @@ class VerifyLengthController:
       self.row0_tiers += [g] * int(steps0 - row0_steps)
       trace.append((g, steps, time.perf_counter() - t0))
       estimate.observe(new_hist - hist, new_proposing - proposing, policy.depth(g))
-      samples = 0
+      samples, accepted = 0, ()
       if matched is not None:
         estimate.observe_shadow(*matched)
         samples = int(np.max(np.sum(matched[1] > 0, axis=1), initial=0))
+        accepted = matched[0][(matched[1] > 0) & matched[2]]
       policy = decision.state.observed(decision, float(np.sum(num - num_before)), steps,
-                                       ~done, end_B - num, samples)
+                                       ~done, end_B - num, samples, accepted)
       hist, proposing, row0_steps = new_hist, new_proposing, steps0
       if between_chunks is not None:
         state, changed = between_chunks(state)

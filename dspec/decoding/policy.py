@@ -16,8 +16,8 @@ commits, and whether it runs plain AR steps (no proposals, no taps, no drafter u
   * shadow_probe: exact and `shadow_probes`: tier 0 probes by one shadow proposal;
   * first_look: before any evidence (no carried prior), tier 0 with a shadow proposal
     rather than verifying a tier on the prior;
-  * probing: a tier-0 probe is due (`probe_every` steps at tier 0; doubles while probes
-    do not pay);
+  * probing: a tier-0 probe is due (`probe_every` steps at tier 0; doubles after a probe
+    that did not raise the best tier's prospect, and resets after one that did);
   * grow: the tier is unchanged, so the chunk grows (x2; x4 at tier 0);
   * shadow (shadow_now): the chunk carries a shadow proposal;
   * final_ar (plain_ar): nothing will be proposed before the batch ends;
@@ -159,6 +159,7 @@ class PolicyState:
   prev: Optional[int] = None    # the last chunk's tier ...
   chunk: int = 0                # ... and length
   shadowed: int = 0             # shadow samples seen (per row, at most)
+  probed: Optional[float] = None   # after a probe: the best payable tier's score over AR's
   realised: Tuple[Tuple[int, float], ...] = ()   # tier -> EMA of realised / predicted
   depths: Tuple[Tuple[int, int], ...] = ()      # tier -> drafts a step can accept (tree
                                                 # tiers: the tree's depth; else the tier)
@@ -196,19 +197,26 @@ class PolicyState:
     return dict(self.realised).get(g, 1.0)
 
   def observed(self, decision: 'Decision', committed: int, steps: int, live_B,
-               remaining_B, shadow_samples: int = 0) -> 'PolicyState':
+               remaining_B, shadow_samples: int = 0, shadow_accepted=()) -> 'PolicyState':
     """The state after `decision`'s chunk ran `steps` row-steps and committed `committed`
     tokens: a positive tier's realised / predicted tokens (capped at 1) averaged into its
     ratio, which corrects estimates that lag behind a row leaving a repetitive stretch.
-    A tier-0 chunk that brought shadow samples clears the ratios: the estimate is fresh
-    again, and a ratio kept from the last positive chunk would hold AR past the stretch."""
+    On a tier-0 chunk the shadow samples (`shadow_accepted`: leading drafts each matched)
+    stand in for what each tier would have realised (samples matching every draft clear
+    it): a ratio recovers as soon as fresh evidence says the tier pays again, and stays low
+    while it does not."""
     realised = dict(self.realised)
     g = decision.tier
     if g and steps:
       per_row = decision.predicted[g] / self.ratio(g) * steps / max(np.sum(self.live_B), 1)
       realised[g] = 0.5 * (self.ratio(g) + min(committed / per_row, 1.0))
-    elif not g and shadow_samples:
-      realised = {}
+    elif not g and len(shadow_accepted):
+      live = max(np.sum(self.live_B), 1)
+      for t, r in self.realised:
+        per_row = decision.predicted[t] / r / live
+        got = np.mean(1 + np.minimum(shadow_accepted, self.depth(t)))
+        every_draft = np.all(np.asarray(shadow_accepted) >= self.depth(t))
+        realised[t] = 1.0 if every_draft else 0.5 * (r + min(got / per_row, 1.0))
     return dataclasses.replace(
         self, live_B=np.asarray(live_B), remaining_B=np.asarray(remaining_B),
         shadowed=self.shadowed + shadow_samples, realised=tuple(sorted(realised.items())))
@@ -264,16 +272,23 @@ def decide(estimate, costs, state: PolicyState) -> Decision:
   """The next chunk's `Decision` (module docstring)."""
   cfg, b = state.config, state.batch
   predicted = predicted_tokens(estimate, state)
-  g = choose(scores(estimate, costs, state), state.payable, cfg.margin)
+  tier_scores = scores(estimate, costs, state)
+  g = choose(tier_scores, state.payable, cfg.margin)
+  best = max((tier_scores[t] for t in state.payable), default=0.0) / max(tier_scores[0], 1e-12)
+  idle, probe_every = state.idle, state.probe_every
+  if state.probed is not None and not g:
+    # A probe that raised the best tier's prospect is repeated as soon; one that did not
+    # doubles the interval (back-off while probes find nothing).
+    probe_every = cfg.probe_every if best > state.probed else min(2 * probe_every,
+                                                                    cfg.max_probe_every)
   first_look = state.chunks == 0 and g > 0 and (state.cheap or state.shadow_probe) and not (
       state.retrospective or state.carried)
   probing = (first_look and not state.cheap) or (
-      not g and bool(state.payable) and not state.cheap and state.idle >= state.probe_every)
-  idle, probe_every = state.idle, state.probe_every
+      not g and bool(state.payable) and not state.cheap and idle >= probe_every)
   if first_look:
     g = 0
   elif probing:
-    idle, probe_every = 0, min(2 * probe_every, cfg.max_probe_every)
+    idle = 0
     g = 0 if state.shadow_probe else min(t for t in state.tiers if t > 0)
   elif g:
     idle, probe_every = 0, cfg.probe_every
@@ -304,5 +319,5 @@ def decide(estimate, costs, state: PolicyState) -> Decision:
   plain_ar = not state.payable or (g == 0 and not state.cheap and chunk >= remaining)
   after = dataclasses.replace(state, idle=idle + (chunk if g == 0 else 0),
                               probe_every=probe_every, chunks=state.chunks + 1, prev=g,
-                              chunk=chunk)
+                              chunk=chunk, probed=best if probing else None)
   return Decision(g, chunk, probing, shadow, plain_ar, predicted, after)

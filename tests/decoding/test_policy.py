@@ -62,12 +62,24 @@ def test_first_look_before_any_evidence():
     assert decide(_estimate(), _costs(), state).tier == 3
 
 
-def test_probing_doubles_the_interval():
+def test_probing_doubles_the_interval_while_probes_find_nothing():
   costs = _costs(propose=1.0)
   state = _state(costs, chunks=3, prev=0, idle=8)
   d = decide(_estimate(0), costs, state)
   assert (d.tier, d.probe, d.shadow, d.chunk) == (0, True, True, 4)
-  assert d.state.probe_every == 16 and d.state.idle == 4
+  assert d.state.probe_every == 8 and d.state.idle == 4 and d.state.probed is not None
+  # The probe's sample did not raise the best tier's prospect: the interval doubles.
+  after = decide(_estimate(0), costs, d.state)
+  assert (after.tier, after.probe, after.state.probe_every) == (0, False, 16)
+  assert after.chunk == 16 - 4 and after.state.probed is None
+  # It raised it (but not past the margin): the next probe comes as soon as the last.
+  better = _estimate(0)
+  hist = np.zeros((1, 4))
+  hist[0, 1] = 1
+  better.observe(hist, np.array([1]), gamma=3)
+  doubled = dataclasses.replace(d.state, probe_every=32)
+  after = decide(better, costs, doubled)
+  assert after.tier == 0 and after.state.probe_every == CFG.probe_every, after
   # Not due yet: one chunk until it is, no evidence meanwhile; not plain AR (a probe follows).
   d = decide(_estimate(0), costs, dataclasses.replace(state, idle=3))
   assert (d.tier, d.probe, d.shadow, d.chunk, d.plain_ar) == (0, False, False, 5, False)
@@ -163,13 +175,20 @@ def test_realised_ratio_scales_a_tier_down():
   after = d.state.observed(d, committed=2.0, steps=2, live_B=[True], remaining_B=[98])
   assert after.ratio(3) == pytest.approx(0.5 * (1 + 1 / d.predicted[3]))
   assert decide(_estimate(3), costs, after).predicted[3] < d.predicted[3]
-  # A tier-0 chunk with fresh shadow samples clears it; one without keeps it.
-  ar = dataclasses.replace(d, tier=0)
+  # A tier-0 chunk: its shadow samples move the ratio as a verified chunk would, up where
+  # every draft matched, down where none did; a chunk without samples keeps it.
+  ar = dataclasses.replace(d, tier=0, predicted=decide(_estimate(3), costs, after).predicted)
   kept = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94])
   assert kept.ratio(3) == after.ratio(3)
+  up = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94],
+                      shadow_samples=1, shadow_accepted=np.array([2]))
+  assert after.ratio(3) < up.ratio(3) < 1.0
   cleared = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94],
-                           shadow_samples=1)
+                           shadow_samples=1, shadow_accepted=np.array([3]))
   assert cleared.ratio(3) == 1.0
+  down = after.observed(ar, committed=4.0, steps=4, live_B=[True], remaining_B=[94],
+                        shadow_samples=1, shadow_accepted=np.array([0]))
+  assert down.ratio(3) < after.ratio(3)
 
 
 def test_makespan_objective():
