@@ -6,7 +6,7 @@ load) and costs once it is compute-bound (large batch, CPU). As SGLang's adaptiv
 the controller keeps an `AcceptanceEstimate` and a step-cost table (`costs.py`, profiled
 at start-up or cached) and before every chunk asks `policy.decide` for the tier (0 is
 plain AR), the chunk's length and the evidence it gathers. Evidence sources: the
-verified steps' acceptance counts, device shadow proposals (`estimate.shadow_proposal`),
+verified steps' acceptance counts, device shadow proposals (the largest tier's `engine.shadow`),
 the retrospective judge (`estimate.retrospective_match`) and its host twin for drafters
 proposing on the host (`host_loop.HostSession.judge`; their positive tiers are
 `HostEngine`s, so their fallback is tier 0 of this policy). Every tier runs a verified
@@ -27,13 +27,11 @@ import jax
 import numpy as np
 
 from dspec import distributed
-from dspec.compiled_programs import ProgramCache
 from dspec.decoding import costs as costs_lib
 from dspec.decoding.costs import CostTable
 from dspec.decoding.drafter import NoDrafter, TruncatedDrafter, host_drafter_factory
 from dspec.decoding.engine import SpeculativeEngine
-from dspec.decoding.estimate import (AcceptanceEstimate, retrospective_match, shadow_match,
-                                     shadow_proposal)
+from dspec.decoding.estimate import AcceptanceEstimate, retrospective_match, shadow_match
 from dspec.decoding.host_loop import HostEngine
 from dspec.decoding.policy import ControllerConfig, Decision, PolicyState, decide
 from dspec.decoding.tiers import same_drafter_state, tier_drafter
@@ -123,8 +121,11 @@ class VerifyLengthController:
     return on_mesh
 
   def _shadow(self, target_params, drafter_params, state):
-    fn = _shadow_programs(self._largest_chain, state.tokens_BL.shape)['shadow']
-    return self._on_mesh(fn)(target_params, drafter_params, state)
+    """What the largest tier would propose now ((tokens [B, G], count [B], start [B])),
+    and the state with its drafter synced for it: the next steps record from there."""
+    dstate, p = self._largest_chain.shadow(target_params, drafter_params, state)
+    return (p.tokens_BG, p.num_proposed_B, state.num_tokens_B), state.replace(
+        drafter_state=dstate)
 
   def prefill(self, target_params, drafter_params, prompt_BP, prompt_len_B, **kw):
     """The largest tier's prefill (with a trace: the largest tree's)."""
@@ -194,8 +195,7 @@ class VerifyLengthController:
       g, t0, num_before, matched = decision.tier, time.perf_counter(), num, None
       shadow_now = decision.shadow and not policy.retrospective
       if shadow_now:
-        proposed, synced = self._shadow(*params, state)
-        state = state.replace(drafter_state=synced)
+        proposed, state = self._shadow(*params, state)
         if self.placement is not None:   # as the tiers' programs expect it
           state = self.placement.put_state(state)
       engine = self._plain_ar if decision.plain_ar else self.engines[g]
@@ -259,8 +259,3 @@ class VerifyLengthController:
     steps = self.tier_steps()
     return {g: n / (sum(steps.values()) or 1) for g, n in steps.items()}
 
-
-@ProgramCache
-def _shadow_programs(chain) -> dict:
-  """The jitted `shadow_proposal` of a chain engine; one set per shape of its states."""
-  return {'shadow': jax.jit(functools.partial(shadow_proposal, chain))}

@@ -243,6 +243,12 @@ class SpeculativeEngine:
                                     self._step_keys(state)[0])
     return state.replace(drafter_state=dstate), proposal
 
+  def shadow_fn(self, target_params, drafter_params, state: DecodeState):
+    """What a step would propose now, unverified (the controller's shadow evidence): (the
+    drafter state synced for it, the proposal)."""
+    synced, proposal = self.propose_fn(target_params, drafter_params, state)
+    return synced.drafter_state, proposal
+
   def step_fn(self, target_params, drafter_params, state: DecodeState,
               proposal: Optional[Proposal] = None, force_wide=False,
               masks: Optional[StepMasks] = None, *, synced: bool = False) -> DecodeState:
@@ -396,6 +402,12 @@ class SpeculativeEngine:
     return _programs(self, state.tokens_BL.shape)['propose'](target_params, drafter_params,
                                                              state)
 
+  def shadow(self, target_params, drafter_params, state):
+    """`shadow_fn` jitted, the state kept (the controller's cost profile times it
+    repeatedly on one state)."""
+    return _programs(self, state.tokens_BL.shape)['shadow'](target_params, drafter_params,
+                                                            state)
+
   def masked_step(self, target_params, drafter_params, state, proposal, masks: StepMasks,
                   *, synced: bool) -> DecodeState:
     """`step_fn` jitted with a constraint's `masks` (the state is donated); `synced`: the
@@ -543,5 +555,6 @@ def _programs(engine: SpeculativeEngine) -> dict:
           functools.partial(engine.run_fn, until_row_done=True), donate_argnums=2),
       'step': jit(engine.step_fn, donate_argnums=2),
       'propose': jit(engine.propose_fn, donate_argnums=2),
+      'shadow': jit(engine.shadow_fn),
       'step_synced': jit(functools.partial(engine.step_fn, synced=True), donate_argnums=2),
   }

@@ -9,7 +9,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 
 class AcceptanceEstimate:
@@ -93,16 +92,6 @@ def expected_tokens(alpha_BG: np.ndarray, gamma: int, live_B: np.ndarray,
 def row_tokens(alpha_BG: np.ndarray, gamma: int, rate_B=1.0) -> np.ndarray:
   """Expected tokens per step of each row at tier γ: 1 + π_r Σ_{k≤γ} Π_{j≤k} α_rj."""
   return 1.0 + rate_B * np.cumprod(alpha_BG[:, :gamma], axis=1).sum(axis=1)
-
-
-def shadow_proposal(engine, target_params, drafter_params, state):
-  """What the largest tier would propose now, ((tokens [B, G], count [B], start [B]),
-  the drafter state synced for it: the next steps record from there)."""
-  target = nnx.merge(engine.target_graphdef, target_params)
-  ctx = engine.context(state)
-  dstate = engine.drafter.sync(drafter_params, state.drafter_state, target, ctx)
-  p = engine.drafter.propose(drafter_params, dstate, target, ctx, jax.random.key(0))
-  return (p.tokens_BG, p.num_proposed_B, state.num_tokens_B), dstate
 
 
 def _match_committed(tokens_BL, num_tokens_B, draft_BG, num_proposed_B, start_B):
