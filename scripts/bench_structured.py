@@ -199,7 +199,7 @@ def interleaved(target, prompt, methods: list, repeats: int) -> dict:
   for _, d, constraint, forced in methods:
     drafter = d.drafter if d is not None else drafter_lib.NoDrafter()
     constraints = constraint and Constraint.of(**constraint)
-    constrained = runner.constrained_run(target, constraints, 1, 'fixed', None, drafter,
+    constrained = runner.constrained_run(target, constraints, 1, 'fixed', drafter,
                                          forced)
     engine = runner.speculative_engine(graphdef, drafter, settings.sampling(), stop_ids,
                                        verify_length='fixed')

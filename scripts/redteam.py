@@ -2574,8 +2574,6 @@ def structured_cases() -> list:
         setup=file('g.lark', 'foo: "a"\n')),
       s('two_constraints', '--regex=a+', '--json_schema={sb}/s.json', message='give one of',
         setup=file('s.json', schema)),
-      s('constraint_with_a_mesh', f'--regex={_YES_NO}', '--config.mesh=data=1',
-        message='structured output runs on one device'),
       s('grammar_drafter_without_constraint', '--config.drafter=grammar',
         message='drafts only the tokens a constraint forces'),
       s('noforced_drafts_without_constraint', '--noforced_drafts',

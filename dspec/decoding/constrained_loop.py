@@ -22,6 +22,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from dspec import distributed
 from dspec.decoding.host_loop import HostEngine, verify_width
 from dspec.decoding.prompts import read_committed, row_tokens
 from dspec.decoding.state import Proposal, StepMasks
@@ -52,7 +53,7 @@ def generate_constrained(engine, target_params, drafter_params, state,
   host = engine if isinstance(engine, HostEngine) else None
   host_drafter = host and host.session.drafter
   engine = host.engine if host else engine
-  tokens, num, done, prompt_len_B, max_new = jax.device_get((
+  tokens, num, done, prompt_len_B, max_new = distributed.host_values((
       state.tokens_BL, state.num_tokens_B, state.done_B, state.prompt_len_B,
       state.max_new_tokens))
   sequences = row_tokens(tokens, num)
@@ -61,8 +62,8 @@ def generate_constrained(engine, target_params, drafter_params, state,
     while not np.all(done):
       state, tree = engine.propose(target_params, drafter_params, state)
       next_BW = rows.next_masks(done)   # while the device drafts
-      allowed_BNW = rows.tree_masks(*jax.device_get((tree.tokens_BN, tree.parents_BN,
-                                                     tree.num_nodes_B)), done, next_BW)
+      allowed_BNW = rows.tree_masks(*distributed.host_values(
+          (tree.tokens_BN, tree.parents_BN, tree.num_nodes_B)), done, next_BW)
       state = engine.masked_step(target_params, drafter_params, state, tree,
                                  jax.device_put(allowed_BNW))
       num, done = _commit(state, sequences, num, rows)
@@ -75,7 +76,8 @@ def generate_constrained(engine, target_params, drafter_params, state,
     else:
       state, proposal = engine.propose(target_params, drafter_params, state)
       next_BW = rows.next_masks(done)   # while the device drafts
-      tokens_BG, num_B = jax.device_get((proposal.tokens_BG, proposal.num_proposed_B))
+      tokens_BG, num_B = distributed.host_values((proposal.tokens_BG,
+                                                  proposal.num_proposed_B))
       q_BGV, synced = proposal.q_BGV, True
     room_B = max_new - (num - prompt_len_B)
     tokens_BG, num_B, allowed_BGW, forced_BG, own_B = rows.plan(

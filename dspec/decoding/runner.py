@@ -315,14 +315,14 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
   prompt_BP, prompt_len_B = pad_prompts(rows, batch, min_width=width)
   graphdef, target_params = target.split()
   stop_ids = tuple(target.tokenizer.stop_ids)
-  constrained = constrained_run(target, constraints, len(rows), verify_length, placement,
-                                drafter, forced_drafts)
+  constrained = constrained_run(target, constraints, len(rows), verify_length, drafter,
+                                forced_drafts)
   if placement:
     drafter_params = placement.put_params(drafter_params)
   if constrained:   # proposals verified whole: the host masks every step
     whole = 'tree' if 'tree' in verify_length else 'fixed'
     engine = speculative_engine(graphdef, drafter, spec, stop_ids, verify_length=whole,
-                                trace=trace, tree=tree)
+                                trace=trace, tree=tree, placement=placement)
     progress('structured output: ' + ', '.join(sorted(
         {c.constraint.kind for c in constrained.compiled if c})) +
              (f'; verify_length={verify_length} verifies every '
@@ -388,7 +388,7 @@ def decode(target: Target, prompts: Sequence, drafter=None, drafter_params=None,
 
 
 def constrained_run(target: Target, constraints, num_rows: int, verify_length: str,
-                    placement, drafter, forced_drafts: bool) -> Optional[Constrained]:
+                    drafter, forced_drafts: bool) -> Optional[Constrained]:
   """The `Constrained` of a decode: `constraints` is one `Constraint` for every row, or one
   (or None) per prompt; None or all None: none. UserError before anything compiles for a
   constraint that does not compile, or a mode that cannot verify one."""
@@ -404,8 +404,6 @@ def constrained_run(target: Target, constraints, num_rows: int, verify_length: s
       raise UserError('drafter grammar drafts only the tokens a constraint forces: give a '
                       'json_schema, regex or grammar')
     return None
-  if placement is not None:
-    raise UserError('structured output runs on one device: drop --config.mesh')
   vocab = target.model.cfg.vocab_size
   stop_ids = tuple(target.tokenizer.stop_ids)
   compiled = {c: compile_constraint(c, target.tokenizer, vocab, stop_ids)

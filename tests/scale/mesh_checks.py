@@ -152,6 +152,38 @@ def runner_check(result):
                       'again_engine_compiles': [n for n in compiled if n.endswith('_fn)')]}
 
 
+def structured_check(result):
+  """Structured output (a regex) on the demo target: MTP fixed and MTP trees on
+  data=4,tensor=2 (its 2 kv heads on the tensor axis) against constrained AR on one device."""
+  from configs import demo
+  from dspec import loading
+  from dspec.decoding import runner
+  from dspec.decoding.drafters import registry
+  from dspec.structured import Constraint
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cfg = demo.get_config('small')
+  cfg.model.path = os.path.join(root, cfg.model.path)
+  cfg.drafters.mtp.path = os.path.join(root, cfg.drafters.mtp.path)
+  cfg.max_new_tokens, cfg.timing_repeats = 16, 0
+  prompts = ['Question: Is the sky blue? Answer:', 'def add(a, b):']
+  regex = Constraint.of(regex=r'(Yes|No)\. [A-Za-z ,]{1,30}\.')
+  settings = runner.Settings.from_config(cfg)
+  out = {}
+  for mesh, name, verify_length in (('', 'none', 'fixed'), ('data=4,tensor=2', 'mtp', 'fixed'),
+                                    ('data=4,tensor=2', 'mtp', 'tree')):
+    placement = sharding.Placement.create(mesh) if mesh else None
+    model, tokenizer, max_seq_len = loading.build_target(cfg.model, placement)
+    placement = placement and placement.for_model(model.cfg)
+    cfg.drafter = name
+    drafter, dparams = registry.build_drafter(cfg, model)
+    report = runner.decode(runner.Target(model, tokenizer, max_seq_len), prompts, drafter,
+                           dparams, settings=settings, verify_length=verify_length,
+                           placement=placement, constraints=regex,
+                           tree=TreeConfig(num_nodes=8, top_k=2))
+    out[f'{name}:{verify_length}:{mesh or "1"}'] = report['ids']
+  result['structured'] = out
+
+
 def _train_task(name):
   """A fresh TrainTask on fixed random tokens (same init and batches for every mesh)."""
   rng = np.random.default_rng(0)
@@ -258,7 +290,7 @@ def main(argv):
       'rest': (('specs', lambda r: spec_checks(r, flags.get('golden'))),
                ('kernel', kernel_check), ('train', train_checks),
                ('decode', lambda r: decode_checks(r, MESHES[3:])),
-               ('runner', runner_check)),
+               ('runner', runner_check), ('structured', structured_check)),
   }
   result = {'devices': jax.device_count()}
   seconds = {}

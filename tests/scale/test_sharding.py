@@ -76,6 +76,19 @@ def test_token_trees_on_a_mesh_give_ar_tokens(mesh_results, name):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_structured_output_on_a_mesh_gives_constrained_ar_tokens(mesh_results):
+  """A regex constraint on the demo target: MTP (fixed, and token trees) on
+  data=4,tensor=2 writes constrained AR's tokens of one device."""
+  runs = mesh_results['structured']
+  ar = runs['none:fixed:1']
+  assert all(ar) and set(runs) == {'none:fixed:1', 'mtp:fixed:data=4,tensor=2',
+                                   'mtp:tree:data=4,tensor=2'}
+  for name, ids in runs.items():
+    assert ids == ar, name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_params_created_sharded_equal_one_device(mesh_results):
   assert all(mesh_results['created_sharded_equal'].values())
 

@@ -607,7 +607,7 @@ def test_modes_that_cannot_take_a_constraint_are_refused(small, no_compile):
   with pytest.raises(ValueError, match='needs a model with a tokenizer.json'):
     dspec.generate(ids_only, [prompt], max_new_tokens=4, regex=CHI_REGEX)
   # None everywhere is no constraint at all (plain decoding), not an error.
-  assert runner.constrained_run(small, [None], 1, 'auto', None, None, True) is None
+  assert runner.constrained_run(small, [None], 1, 'auto', None, True) is None
 
 
 # ============================================================================ (4) the CLI

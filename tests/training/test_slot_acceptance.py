@@ -26,6 +26,8 @@ PROMPTS = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
            'apples does he have left?\nAnswer:',
            'def is_prime(n):\n')
 NEW_TOKENS = 48
+PROMPT_WIDTH = 64    # every prompt padded to it
+ROW_WIDTH = 128      # >= prompt + NEW_TOKENS + a block + 1 (the end steps' longer decode)
 
 
 def test_slot_table_statistics_by_hand():
@@ -62,23 +64,38 @@ def _demo_drafter(name, target):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode(target, drafter, prompt, new_tokens):
-  """(row tokens, committed tokens per verify step, drafts per step [S, K]) of a T = 0
-  decode verifying every draft (cached: the mutation check reuses it). DSpark verifies its
-  whole block (λ = 0: its confidence rule then keeps every draft)."""
+def _engine(target, drafter):
+  """One traced engine per drafter (every decode below shares its compiled programs)."""
   if slot_acceptance.kind_of(drafter) == 'dspark':
     spec_drafter, dparams = DSparkDrafter.create(drafter, verify_cost=0.0)
   else:
     spec_drafter, dparams = DFlashDrafter.create(drafter)
   graphdef, params = nnx.split(target)
-  engine = SpeculativeEngine(graphdef, drafter=spec_drafter, trace=True)
-  prompt_BP, lens = pad_prompts([prompt], width_multiple=64)
+  return SpeculativeEngine(graphdef, drafter=spec_drafter, trace=True), params, dparams
+
+
+@functools.lru_cache(maxsize=None)
+def _decode(target, drafter, prompt, new_tokens):
+  """(row tokens, committed tokens per verify step, drafts per step [S, K]) of a T = 0
+  decode verifying every draft (cached: the mutation check reuses it). DSpark verifies its
+  whole block (λ = 0: its confidence rule then keeps every draft). Every call has one
+  prompt width and token buffer: one compile per drafter."""
+  engine, params, dparams = _engine(target, drafter)
+  prompt_BP, lens = pad_prompts([prompt], width_multiple=PROMPT_WIDTH)
   state = engine.generate(params, dparams, engine.prefill(
-      params, dparams, prompt_BP, lens, max_new_tokens=new_tokens))
+      params, dparams, prompt_BP, lens, max_new_tokens=new_tokens,
+      buffer_len=engine.buffer_len(PROMPT_WIDTH, NEW_TOKENS + 32)))
   n, steps = int(state.num_tokens_B[0]), int(state.stats.steps_B[0])
   committed = np.asarray(state.stats.row0_committed_S)[:steps]
   return (np.asarray(state.tokens_BL[0, :n]), committed,
           np.asarray(state.trace.drafts_SG)[:steps])
+
+
+def _padded(row):
+  """`row` zero-padded to ROW_WIDTH (one shape for the teacher-forced programs: the target
+  is causal, so the padding changes no draft at the row's anchors)."""
+  assert len(row) <= ROW_WIDTH, len(row)
+  return np.pad(row, (0, ROW_WIDTH - len(row)))
 
 
 def _agreement(target, tokenizer, drafter):
@@ -94,10 +111,11 @@ def _agreement(target, tokenizer, drafter):
     prompt = tuple(tokenizer.encode(text))
     p = len(prompt)
     row, committed, drafts_SK = _decode(target, drafter, prompt, NEW_TOKENS)
-    mask = np.zeros(len(row), bool)
-    mask[p:] = True
+    mask = np.zeros(ROW_WIDTH, bool)
+    mask[p:len(row)] = True
     all_anchors = slot_acceptance.decode_anchors(mask)
-    hit, valid = slot_acceptance.row_hits(drafter, target, row, mask, all_anchors, k)
+    hit, valid = slot_acceptance.row_hits(drafter, target, _padded(row), mask, all_anchors,
+                                          k)
     hits.append(hit)
     valids.append(valid)
     steps, tokens = slot_acceptance.decode_walk(all_anchors, hit, valid, p)
@@ -114,8 +132,9 @@ def _agreement(target, tokenizer, drafter):
     end_N = anchors[~full]
     padded_1N = np.pad(end_N, (0, slot_acceptance.ANCHORS_PER_CALL - len(end_N)),
                        mode='edge')[None].astype(np.int32)
-    forced_NK = np.asarray(slot_acceptance.anchor_drafts(drafter, target, long_row[None],
-                                                         padded_1N, k))[0, :len(end_N)]
+    forced_NK = np.asarray(slot_acceptance.anchor_drafts(drafter, target,
+                                                         _padded(long_row)[None], padded_1N,
+                                                         k))[0, :len(end_N)]
     end_same += int(np.sum(np.all(forced_NK == drafts_SK[~full], axis=1)))
     end_total += len(end_N)
   table = SlotTable.from_hits(np.concatenate(hits), np.concatenate(valids), walk_steps,
