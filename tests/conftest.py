@@ -15,6 +15,12 @@ if 'DSPEC_TEST_CACHE_HOME' not in os.environ:
   os.environ['DSPEC_TEST_CACHE_HOME'] = tempfile.mkdtemp(prefix='dspec-test-cache-')
   atexit.register(shutil.rmtree, os.environ['DSPEC_TEST_CACHE_HOME'], ignore_errors=True)
 os.environ['XDG_CACHE_HOME'] = os.environ['DSPEC_TEST_CACHE_HOME']
+# Compiling dominates the suite: XLA:CPU's backend optimisation is off in the test processes
+# and the scripts they start (as the mesh and multi-process checks always had it), which
+# changes how fast compiled code runs, not what it computes. Set before jax starts.
+if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_backend_optimization_level=0').strip()
 
 import jax
 import jax.numpy as jnp

@@ -17,7 +17,7 @@ commits, and whether it runs plain AR steps (no proposals, no taps, no drafter u
   * first_look: before any evidence (no carried prior), tier 0 with a shadow proposal
     rather than verifying a tier on the prior;
   * probing: a tier-0 probe is due (`probe_every` steps at tier 0; doubles after a probe
-    that did not raise the best tier's prospect, and resets after one that did);
+    that did not raise the best tier's prospect, and stays after one that did);
   * grow: the tier is unchanged, so the chunk grows (x2; x4 at tier 0);
   * shadow (shadow_now): the chunk carries a shadow proposal;
   * final_ar (plain_ar): nothing will be proposed before the batch ends;
@@ -276,11 +276,10 @@ def decide(estimate, costs, state: PolicyState) -> Decision:
   g = choose(tier_scores, state.payable, cfg.margin)
   best = max((tier_scores[t] for t in state.payable), default=0.0) / max(tier_scores[0], 1e-12)
   idle, probe_every = state.idle, state.probe_every
-  if state.probed is not None and not g:
-    # A probe that raised the best tier's prospect is repeated as soon; one that did not
-    # doubles the interval (back-off while probes find nothing).
-    probe_every = cfg.probe_every if best > state.probed else min(2 * probe_every,
-                                                                    cfg.max_probe_every)
+  if state.probed is not None and not g and best <= state.probed:
+    # A probe that did not raise the best tier's prospect doubles the interval (back-off
+    # while probes find nothing); one that raised it is repeated as soon.
+    probe_every = min(2 * probe_every, cfg.max_probe_every)
   first_look = state.chunks == 0 and g > 0 and (state.cheap or state.shadow_probe) and not (
       state.retrospective or state.carried)
   probing = (first_look and not state.cheap) or (

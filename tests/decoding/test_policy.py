@@ -77,8 +77,7 @@ def test_probing_doubles_the_interval_while_probes_find_nothing():
   hist = np.zeros((1, 4))
   hist[0, 1] = 1
   better.observe(hist, np.array([1]), gamma=3)
-  doubled = dataclasses.replace(d.state, probe_every=32)
-  after = decide(better, costs, doubled)
+  after = decide(better, costs, d.state)
   assert after.tier == 0 and after.state.probe_every == CFG.probe_every, after
   # Not due yet: one chunk until it is, no evidence meanwhile; not plain AR (a probe follows).
   d = decide(_estimate(0), costs, dataclasses.replace(state, idle=3))

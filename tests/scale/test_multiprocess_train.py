@@ -22,7 +22,8 @@ STEPS, CKPT_EVERY = 12, 4
 
 def _env(devices):
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
+                        '--xla_backend_optimization_level=0')
 
 
 def _losses(workdir):
