@@ -9,6 +9,9 @@ Commands (after demo/target and demo/distill_demo8k exist, see configs/distill_d
   python scripts/train.py --config=configs/dspark_demo.py:deep,layers=4,block=15 \
       --config.training.init_from=demo/dflash --config.training.num_steps=300 \
       --workdir=runs/dspark_l4    # fine-tuned on the deep DFlash backbone, heads fresh
+  python scripts/train.py --config=configs/dspark_demo.py:deep,layers=4,block=16 \
+      --config.dspark.sample_from_anchor=False --config.training.init_from=demo/dflash \
+      --workdir=runs/dspark_l4_dflash_layout   # DFlash's layout: starts at its τ
   python scripts/decode.py --config=configs/dspark_demo.py --config.compare_ar=True
   python scripts/plot_dspark_confidence.py --config=configs/dspark_demo.py \
       --out=runs/dspark_demo/confidence.png   # per-position acceptance vs confidence
@@ -20,7 +23,9 @@ epochs=E (the block drafters' recipe, as in configs/dflash_demo.py), steps=N, mi
 tiny target, tiny drafter: for tests).
 Training knobs (--config.dspark.<key>): ce_weight / tv_weight / confidence_weight (0.1 /
 0.9 / 1.0), loss_gamma (0: 4 for B=7), enable_confidence_head, confidence_head_with_markov,
-calibrate (fit the confidence temperatures on held-out data at export).
+calibrate (fit the confidence temperatures on held-out data at export), sample_from_anchor
+(False: DFlash's block layout, the anchor's slot predicts nothing and B − 1 slots draft,
+so a DFlash export is this drafter with zero heads).
 Decode knobs (--config.drafters.dspark.<key>): num_draft (<= the trained block; 0 =
 trained), verify_cost (λ of the per-row verify-length cost model 1 + λ·n with
 verify_length=fixed; 0 verifies every draft; under verify_length=auto λ is fitted per batch
@@ -59,6 +64,7 @@ def get_config(arg=None):
       'attention_impl': 'xla',     # xla | pallas
       'num_anchors': 16,           # blocks per sequence
       'anchor_supervised': False,  # False: the last prompt token is an anchor too
+      'sample_from_anchor': True,  # anchor-first blocks; False: DFlash's (B − 1 drafts)
       'loss_gamma': 0.0,           # 0 -> the DFlash value of block B + 1 (4 for B = 7)
       'markov_rank': args.rank,
       'markov_head_type': args.head,

@@ -66,6 +66,25 @@ def pytest_collection_modifyitems(config, items):
     counts[module] = counts.get(module, 0) + quick
 
 
+# The files whose fixtures run several processes for minutes, longest first.
+LONGEST_FILES = ('scale/test_sharding.py', 'scale/test_multiprocess.py',
+                 'scale/test_controller.py', 'test_cli.py', 'test_notebook.py')
+
+
+def pytest_collection_modifyitems(items):
+  """`LONGEST_FILES`, then files with tests that start processes, then those with slow
+  tests: pytest.ini hands each xdist worker whole files (a module's fixtures are built
+  once) in this order, so the long files start first and short ones fill the end."""
+  rank = {}
+  for item in items:
+    name = os.path.relpath(str(item.path), os.path.join(REPO_ROOT, 'tests'))
+    marks = {m.name for m in item.iter_markers()}
+    own = (LONGEST_FILES.index(name) if name in LONGEST_FILES else
+           len(LONGEST_FILES) + (0 if 'multiprocess' in marks else 1 if 'slow' in marks else 2))
+    rank[item.path] = min(rank.get(item.path, own), own)
+  items.sort(key=lambda item: rank[item.path])
+
+
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
   """Drops compiled programs between tests once the process holds many memory mappings

@@ -1,9 +1,12 @@
 """DSpark: the DFlash backbone with a semi-autoregressive Markov head and a confidence head
 (deepseek-ai/DeepSpec; speculators' `models/dspark`, SpecForge's `draft/dspark.py`).
 
-Block. Anchor-first and all-predicting (speculators' `sample_from_anchor=True`): the block
-[anchor, MASK×(B−1)] sits at positions a..a+B−1 and slot k predicts the token at a+k+1, so
-one block of B proposes B drafts. The backbone (fusion, KV injection, per-layer masks) is
+Block. `sample_from_anchor=True` (speculators' default): anchor-first and all-predicting,
+the block [anchor, MASK×(B−1)] sits at positions a..a+B−1 and slot k predicts the token
+at a+k+1, so one block of B proposes B drafts. `sample_from_anchor=False`: DFlash's own
+layout, slot 0 carries the anchor only and slots 1..B−1 predict a+1..a+B−1 (B−1 drafts),
+so a DFlash export is this drafter with the heads at zero: fine-tuning from one starts at
+its τ (`num_drafts`). The backbone (fusion, KV injection, per-layer masks) is
 `DFlashModel`'s, unchanged.
 
 Markov head. A rank-r logit bias from the previous token of the slot, x_{k−1} (x_{−1} =
@@ -57,7 +60,8 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 @dataclasses.dataclass(frozen=True)
 class DSparkConfig(DFlashConfig):
   """DFlashConfig plus the Markov head (rank r, variant), the confidence head and its
-  calibration. `block_size` is B = the drafts of one block (anchor-first)."""
+  calibration. `block_size` is the block B: B drafts anchor-first, B − 1 in DFlash's
+  layout (`sample_from_anchor=False`)."""
 
   markov_rank: int = 256
   markov_head_type: str = 'vanilla'
@@ -72,12 +76,12 @@ class DSparkConfig(DFlashConfig):
     for name in ('confidence_temperatures', 'greedy_confidence_temperatures'):
       temps = tuple(float(t) for t in getattr(self, name))
       object.__setattr__(self, name, temps)
-      if temps and (len(temps) != self.block_size or min(temps) <= 0):
-        raise ValueError(f'dspark {name} must be {self.block_size} positive values (one per '
-                         f'slot) or empty, got {list(temps)}')
-    if not self.sample_from_anchor:
-      raise ValueError('dspark sample_from_anchor must be true (anchor-first blocks; a '
-                       'block whose slot 0 only carries the anchor is DFlash)')
+      if temps and (len(temps) != self.num_drafts or min(temps) <= 0):
+        raise ValueError(f'dspark {name} must be {self.num_drafts} positive values (one per '
+                         f'draft slot) or empty, got {list(temps)}')
+    if not self.sample_from_anchor and self.markov_head_type == 'rnn':
+      raise ValueError("dspark markov_head_type='rnn' needs sample_from_anchor=True (the "
+                       "recurrent state's first step is the anchor-first block's slot 0)")
     if self.markov_rank < 0:
       raise ValueError(f'dspark markov_rank must be >= 0, got {self.markov_rank}')
     if self.markov_head_type not in HEAD_TYPES:
@@ -94,6 +98,11 @@ class DSparkConfig(DFlashConfig):
     d['confidence_temperatures'] = list(self.confidence_temperatures)
     d['greedy_confidence_temperatures'] = list(self.greedy_confidence_temperatures)
     return d
+
+  @property
+  def num_drafts(self) -> int:
+    """Drafts of one block: B anchor-first, B − 1 in DFlash's layout."""
+    return self.block_size - (not self.sample_from_anchor)
 
   @property
   def confidence_input_dim_extra(self) -> int:
@@ -207,13 +216,13 @@ class DSparkModel(DFlashModel):
 
   def heads(self, target, hidden_BTD, prev_BT):
     """Teacher-forced (biased draft-vocabulary logits [B, T, V'] fp32, confidence logits
-    [B, T] or None) of blocks of `cfg.block_size` slots laid out along T, given each slot's
-    previous token (target ids)."""
+    [B, T] or None) of the draft slots of blocks (`cfg.num_drafts` each) laid out along T,
+    given each slot's previous token (target ids)."""
     logits = self.draft_logits(target, hidden_BTD).astype(jnp.float32)
     emb = self._embed_prev(prev_BT)
     if self.markov_head is not None:
       b, t, _ = hidden_BTD.shape
-      n, big_b = t // self.cfg.block_size, self.cfg.block_size
+      n, big_b = t // self.cfg.num_drafts, self.cfg.num_drafts
       bias = self.markov_head.block_bias(emb.reshape(b * n, big_b, -1),
                                          hidden_BTD.reshape(b * n, big_b, -1))
       logits = logits + bias.reshape(logits.shape)

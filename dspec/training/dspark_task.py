@@ -2,8 +2,10 @@
 
 Blocks as DFlash's (`dflash_task`: N random anchors a per sequence with loss_mask[a+1], and
 loss_mask[a] too when `anchor_supervised`; block queries see fused target features strictly
-before a and their own block), but anchor-first: slot k = 0..B−1 predicts the token at
-a+k+1, and the Markov head is teacher-forced with the data's token at a+k.
+before a and their own block). Anchor-first (`sample_from_anchor`): draft slot k = 0..B−1
+is block slot k and predicts the token at a+k+1; in DFlash's layout draft slot k is block
+slot k+1 (k < B−1), predicting the same token. The Markov head is teacher-forced with the
+data's token at a+k.
 
 Per slot, with p = the draft's (Markov-biased) distribution and p* = the target's at a+k:
 
@@ -53,17 +55,19 @@ _TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 161)
 
 def dspark_terms(drafter: DSparkModel, target, tokens_BS, loss_mask_BS, anchors_BN,
                  gamma: float) -> dict:
-  """Per-slot terms [B, N, K] of slots 0..K−1: ce, tv, alpha, bce, conf (logits), hit
-  (argmax = label), agree (argmax = the target's argmax), valid, weight; block_valid
+  """Per-slot terms [B, N, K] of draft slots 0..K−1: ce, tv, alpha, bce, conf (logits),
+  hit (argmax = label), agree (argmax = the target's argmax), valid, weight; block_valid
   [B, N]."""
   cfg = drafter.cfg
-  big_b = cfg.block_size
+  big_b = cfg.num_drafts
   b, s = tokens_BS.shape
   n = anchors_BN.shape[1]
   out = target(tokens_BS, taps=cfg.target_layer_ids, compute_logits=False)
   taps_BSND = jax.lax.stop_gradient(out.taps_BTND)
   hidden_BNKD, pos_BNK = anchor_block_hidden(drafter, target, taps_BSND, tokens_BS,
                                              anchors_BN)
+  if not cfg.sample_from_anchor:   # DFlash's layout: block slot 0 only carries the anchor
+    hidden_BNKD, pos_BNK = hidden_BNKD[:, :, 1:], pos_BNK[:, :, :-1]
   hidden_BQD = hidden_BNKD.reshape(b, n * big_b, -1)
   safe_BNK = jnp.clip(pos_BNK, 0, s - 1)
   take = lambda x_BS, p_BNK: jnp.take_along_axis(x_BS, p_BNK.reshape(b, -1), axis=1
@@ -246,7 +250,8 @@ def build_drafter(cfg, target_cfg, tokenizer_mask_id=None) -> DSparkModel:
       attention_impl=d.attention_impl, layer_types=tuple(d.get('layer_types', ())),
       is_causal=d.get('is_causal'), markov_rank=d.markov_rank,
       markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
-      confidence_head_with_markov=d.confidence_head_with_markov)
+      confidence_head_with_markov=d.confidence_head_with_markov,
+      sample_from_anchor=d.get('sample_from_anchor', True))
   return DSparkModel(dcfg, target_cfg, rngs=nnx.Rngs(cfg.training.seed))
 
 
@@ -266,7 +271,7 @@ def build_task(cfg, workdir: str) -> TrainTask:
   def get_batch(step: int) -> dict:
     return rows.batch(step, tcfg.seed, tcfg.batch_size)
 
-  gamma = loss_gamma(d.block_size + 1, d.loss_gamma)
+  gamma = loss_gamma(drafter.cfg.num_drafts + 1, d.loss_gamma)
   weights = dict(ce_weight=d.ce_weight, tv_weight=d.tv_weight,
                  confidence_weight=d.confidence_weight)
   loss_fn = functools.partial(dspark_loss, num_anchors=d.num_anchors, gamma=gamma,

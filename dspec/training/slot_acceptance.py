@@ -170,9 +170,11 @@ def _dflash2_drafts(drafter, target, tokens_1S, anchors_1N, num_draft: int):
 
 
 def _dspark_drafts(drafter: DSparkModel, target, tokens_1S, anchors_1N, num_draft: int):
-  """DSpark: the Markov walk over the whole block."""
+  """DSpark: the Markov walk over the block's draft slots."""
   del num_draft
   hidden_NBD, anchor_N = _block_hidden(drafter, target, tokens_1S, anchors_1N)
+  if not drafter.cfg.sample_from_anchor:   # DFlash's layout
+    hidden_NBD = hidden_NBD[:, 1:]
   return drafter.walk(target, hidden_NBD, anchor_N).tokens_BG[None]
 
 
@@ -213,7 +215,7 @@ def _mtp_drafts(drafter: MTP, target, tokens_1S, anchors_1N, num_draft: int):
 # Each kind's reader, named by its registration's `slots` (`dspec.drafter_kinds`).
 DFLASH_SLOTS = SlotReader(lambda m: m.cfg.block_size - 1, _dflash_drafts)
 DFLASH2_SLOTS = SlotReader(lambda m: m.cfg.block_size - 1, _dflash2_drafts)
-DSPARK_SLOTS = SlotReader(lambda m: m.cfg.block_size, _dspark_drafts)
+DSPARK_SLOTS = SlotReader(lambda m: m.cfg.num_drafts, _dspark_drafts)
 EAGLE3_SLOTS = SlotReader(lambda m: m.cfg.ttt_steps, _eagle3_drafts)
 MTP_SLOTS = SlotReader(lambda m: m.cfg.num_depths, _mtp_drafts)
 

@@ -1,7 +1,8 @@
 """Multi-process runs on JAX's own runtime (jax.distributed on 127.0.0.1, gloo collectives):
 2 processes x 2 simulated CPU devices decode the demo on a data=2,tensor=2 mesh with the
-same tokens as one process (every drafter; greedy and sampled, fixed and auto verification,
-every process taking the controller's decisions alike), and each failure mode ends in one line, in time.
+same tokens as one process (every drafter family; greedy and sampled, fixed and auto
+verification, every process taking the controller's decisions alike), and each failure
+mode ends in one line, in time.
 
 Greedy runs of every drafter are compared with one process's AR run on the same mesh (a
 lossless greedy drafter commits AR's tokens, so this is the single-process output), sampled
@@ -22,12 +23,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
-# Every drafter (fixed), auto verification (controller decisions broadcast), sampled runs,
+# Every drafter family, auto verification (controller decisions broadcast), sampled runs,
 # token trees (tree, auto_tree).
-# Compiling dominates: one run per drafter, the controller on two tiers (AR and num_draft),
-# suffix on verify widths 1, 2 and 4.
-RUNS = ('mtp:fixed:0,mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash:fixed:0,dflash2:fixed:0,'
-        'dspark:fixed:1,suffix:fixed:0,ngram:tree:0,mtp:auto_tree:0')
+# Compiling dominates: one run per drafter (MTP under auto and auto_tree; the DFlash
+# backbone greedy with DFlash-2's selector and sampled with DSpark's heads), the controller
+# on two tiers (AR and num_draft), suffix on verify widths 1, 2 and 4.
+RUNS = ('mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash2:fixed:0,dspark:fixed:1,'
+        'suffix:fixed:0,ngram:tree:0,mtp:auto_tree:0')
 AR = 'none:fixed:0'
 SINGLE_RUNS = ','.join([AR] + [r for r in RUNS.split(',') if not r.endswith(':0')])
 # The demo target itself (`small`, not the widened main job): compiling stays what dominates.

@@ -54,13 +54,17 @@ def mesh_results():
 @pytest.mark.slow
 @pytest.mark.parametrize('name', DRAFTERS)
 def test_tokens_identical_on_every_mesh(mesh_results, name):
+  """Every drafter on every mesh writes the tokens of AR on one device (greedy: lossless
+  and placement-independent at once)."""
   if name in mesh_results['skipped']:
     pytest.skip(mesh_results['skipped'][name])
   runs = mesh_results['decode'][name]
-  assert set(runs) == {'1', 'data=8', 'data=2,tensor=4', 'tensor=8'}
+  assert set(runs) == {'data=8', 'data=2,tensor=4', 'tensor=8'} | ({'1'} if name == 'ar'
+                                                                    else set())
+  one_device_ar = mesh_results['decode']['ar']['1']
+  assert sum(map(len, one_device_ar)) > 0
   for mesh, outs in runs.items():
-    assert outs == runs['1'], f'{name} on {mesh} differs from 1 device'
-  assert runs['1'] == mesh_results['decode']['ar']['1'], f'{name} is not lossless'
+    assert outs == one_device_ar, f'{name} on {mesh} differs from AR on 1 device'
 
 
 @pytest.mark.multiprocess
@@ -68,10 +72,10 @@ def test_tokens_identical_on_every_mesh(mesh_results, name):
 @pytest.mark.parametrize('name', ['ngram_tree', 'mtp_tree'])
 def test_token_trees_on_a_mesh_give_ar_tokens(mesh_results, name):
   """verify_length=tree (n-gram tries, the MTP heads' EAGLE-2 trees) on data=2,tensor=4:
-  the tokens of one device, and AR's."""
+  the tokens of AR on one device."""
   runs = mesh_results['decode'][name]
-  assert set(runs) == {'1', 'data=2,tensor=4'}
-  assert runs['data=2,tensor=4'] == runs['1'] == mesh_results['decode']['ar']['1']
+  assert set(runs) == {'data=2,tensor=4'}
+  assert runs['data=2,tensor=4'] == mesh_results['decode']['ar']['1']
 
 
 @pytest.mark.multiprocess

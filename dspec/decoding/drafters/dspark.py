@@ -6,8 +6,9 @@ State (`DSparkState`): DFlash's (context K/V of every committed position before 
 and the features recorded at tier 0; `init` / `update` / `idle_update` / `sync` are
 `drafters/dflash.py`'s) and the verify cost λ as a traced scalar.
 
-propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (b = num_draft; slot k
-         drafts the token at anchor+k+1), always the whole block, as in training
+propose  block [anchor, MASK×(b−1)] at positions anchor..anchor+b−1 (anchor-first: b =
+         num_draft, slot k drafts the token at anchor+k+1; DFlash's layout: b = num_draft
+         + 1, slot k ≥ 1 drafts anchor+k), always the whole block, as in training
          (`shrink_block`: z-lab's shrinking block, only the first `remaining` keys near
          the end of the budget); a row verifies at most `remaining` drafts. The Markov walk picks each
          slot's token from its biased logits (argmax at T = 0; at T > 0 a sample, with
@@ -86,13 +87,14 @@ def verify_lengths(survival_BG, limit_B, verify_cost, verify_budget: int = 0):
 @dataclasses.dataclass(frozen=True)
 class DSparkDrafter(DFlashDrafter):
   """Engine drafter around a `DSparkModel`; params are `nnx.split(model)[1]`. It drafts
-  `num_draft` tokens per step with a block of num_draft slots (at most the trained B)."""
+  `num_draft` tokens per step (at most the trained block's drafts) with a block of
+  num_draft slots, or num_draft + 1 in DFlash's layout."""
 
   verify_cost: float = 0.1    # λ with verify_length=fixed (auto: the controller's λ(B))
   verify_budget: int = 0
 
   def __post_init__(self):
-    check_num_draft('dspark', self.num_draft, 1, self.config.block_size)
+    check_num_draft('dspark', self.num_draft, 1, self.config.num_drafts)
     if self.verify_cost < 0:
       raise ValueError(f'drafters.dspark.verify_cost must be >= 0, got {self.verify_cost}')
     if self.verify_budget < 0:
@@ -111,15 +113,15 @@ class DSparkDrafter(DFlashDrafter):
   def create(cls, model: dspark_model.DSparkModel, num_draft: int = 0,
              verify_cost: float = 0.1, verify_budget: int = 0,
              shrink_block: bool = False) -> Tuple["DSparkDrafter", Any]:
-    """(drafter, params); num_draft 0 means the trained block size."""
+    """(drafter, params); num_draft 0 means the trained block's drafts."""
     graphdef, params = nnx.split(model)
-    return cls(graphdef, model.cfg, model.target_cfg, num_draft or model.cfg.block_size,
+    return cls(graphdef, model.cfg, model.target_cfg, num_draft or model.cfg.num_drafts,
                shrink_block=shrink_block, verify_cost=verify_cost,
                verify_budget=verify_budget), params
 
   @property
   def block_size(self) -> int:
-    return self.num_draft
+    return self.num_draft + (not self.config.sample_from_anchor)
 
   def check_target(self, target_cfg) -> None:
     mine = self.target_cfg
@@ -143,7 +145,7 @@ class DSparkDrafter(DFlashDrafter):
   def propose(self, params, state, target, ctx, key):
     model = nnx.merge(self.graphdef, params)
     walk = self.draft(model, state.cache, target, ctx, key)
-    n_B = jnp.clip(ctx.remaining_B, 1, self.block_size).astype(jnp.int32)
+    n_B = jnp.clip(ctx.remaining_B, 1, self.num_draft).astype(jnp.int32)
     if walk.conf_logits_BG is not None:
       greedy = ctx.sampling is None or ctx.sampling.greedy
       n_B = verify_lengths(model.survival(walk.conf_logits_BG, greedy), n_B,
@@ -157,8 +159,12 @@ class DSparkDrafter(DFlashDrafter):
                       temperature=ctx.temperature, top_p=ctx.top_p, key=key)
 
   def _block_hidden(self, model: dspark_model.DSparkModel, cache, target, ctx):
-    """The block's hidden [B, b, D]: the whole block, or with `shrink_block` only its
-    first min(b, remaining) keys."""
+    """The draft slots' hidden [B, num_draft, D]: the whole block, or with `shrink_block`
+    only its first min(b, remaining) keys (DFlash's: `block_hidden`)."""
+    if not self.config.sample_from_anchor:
+      masks_BG = jnp.full((ctx.tokens_BL.shape[0], self.num_draft), self.config.mask_token_id,
+                          jnp.int32)
+      return self.block_hidden(model, cache, target, ctx, masks_BG)
     b = self.block_size
     anchor_B = self._anchor(ctx)
     anchor_pos_B = ctx.num_tokens_B - 1

@@ -125,14 +125,15 @@ def speculators_config(drafter: DSparkModel) -> dict:
       block_size=cfg.block_size,
       aux_hidden_state_layer_ids=[i + 1 for i in cfg.target_layer_ids],
       mask_token_id=cfg.mask_token_id, target_hidden_size=None,
-      sliding_window_non_causal=not sliding_causal, sample_from_anchor=True,
+      sliding_window_non_causal=not sliding_causal,
+      sample_from_anchor=cfg.sample_from_anchor,
       markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
       enable_confidence_head=cfg.enable_confidence_head,
       confidence_head_with_markov=cfg.confidence_head_with_markov,
       speculators_config={
           'algorithm': 'dspark', 'default_proposal_method': 'greedy',
           'proposal_methods': [{'proposal_type': 'greedy',
-                                'speculative_tokens': cfg.block_size}],
+                                'speculative_tokens': cfg.num_drafts}],
           'verifier': {'name_or_path': None, 'architectures': []}},
       speculators_version='0.9.0', tie_word_embeddings=False)
   if cfg.confidence_temperatures:
