@@ -56,14 +56,6 @@ def pytest_configure(config):
     config.addinivalue_line('markers', f'{name}: {meaning}')
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-  """Before `-m` deselects anything: how many tests of each module the quick check keeps."""
-  counts = config.stash[QUICK_TESTS_BY_MODULE] = {}
-  for item in items:
-    module = os.path.relpath(str(item.path), REPO_ROOT)
-    quick = not {m.name for m in item.iter_markers()} & set(MARKERS)
-    counts[module] = counts.get(module, 0) + quick
 
 
 # The files whose fixtures run several processes for minutes, longest first.
@@ -71,14 +63,19 @@ LONGEST_FILES = ('scale/test_sharding.py', 'scale/test_multiprocess.py',
                  'scale/test_controller.py', 'test_cli.py', 'test_notebook.py')
 
 
-def pytest_collection_modifyitems(items):
-  """`LONGEST_FILES`, then files with tests that start processes, then those with slow
-  tests: pytest.ini hands each xdist worker whole files (a module's fixtures are built
-  once) in this order, so the long files start first and short ones fill the end."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Before `-m` deselects anything: how many tests of each module the quick check keeps.
+  Then the order: `LONGEST_FILES`, files with tests that start processes, files with slow
+  tests, the rest; pytest.ini hands each xdist worker whole files (a module's fixtures are
+  built once) in this order, so the long files start first and short ones fill the end."""
+  counts = config.stash[QUICK_TESTS_BY_MODULE] = {}
   rank = {}
   for item in items:
-    name = os.path.relpath(str(item.path), os.path.join(REPO_ROOT, 'tests'))
+    module = os.path.relpath(str(item.path), REPO_ROOT)
     marks = {m.name for m in item.iter_markers()}
+    counts[module] = counts.get(module, 0) + (not marks & set(MARKERS))
+    name = os.path.relpath(module, 'tests')
     own = (LONGEST_FILES.index(name) if name in LONGEST_FILES else
            len(LONGEST_FILES) + (0 if 'multiprocess' in marks else 1 if 'slow' in marks else 2))
     rank[item.path] = min(rank.get(item.path, own), own)
