@@ -56,8 +56,6 @@ def pytest_configure(config):
     config.addinivalue_line('markers', f'{name}: {meaning}')
 
 
-
-
 # The files whose fixtures run several processes for minutes, longest first.
 LONGEST_FILES = ('scale/test_sharding.py', 'scale/test_multiprocess.py',
                  'scale/test_controller.py', 'test_cli.py', 'test_notebook.py')

@@ -88,11 +88,10 @@ def test_dflash_layout_decodes_greedy_equal_to_ar(tiny_split, pair):
 
 
 @pytest.mark.slow
-def test_training_starts_from_a_dflash_export(tiny_model, tiny_split, pair,
-                                                                tmp_path):
+def test_training_starts_from_a_dflash_export(tiny_model, tiny_split, pair, tmp_path):
   """The 'dspark' task in DFlash's layout starts from the export (its backbone, heads
-  fresh), trains, exports B − 1 calibration temperatures; the export decodes greedy = AR
-  and round-trips through speculators' config with sample_from_anchor=False."""
+  fresh), trains and exports B − 1 calibration temperatures; the export decodes greedy =
+  AR."""
   path = pair[0]
   target_dir = str(tmp_path / 'target')
   checkpoint.save_model(target_dir, tiny_model, kind='target', config=tiny_model.cfg.to_dict())
