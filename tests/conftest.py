@@ -15,12 +15,11 @@ if 'DSPEC_TEST_CACHE_HOME' not in os.environ:
   os.environ['DSPEC_TEST_CACHE_HOME'] = tempfile.mkdtemp(prefix='dspec-test-cache-')
   atexit.register(shutil.rmtree, os.environ['DSPEC_TEST_CACHE_HOME'], ignore_errors=True)
 os.environ['XDG_CACHE_HOME'] = os.environ['DSPEC_TEST_CACHE_HOME']
-# Compiling dominates the suite: XLA:CPU's backend optimisation is off in the test processes
-# and the scripts they start (as the mesh and multi-process checks always had it), which
-# changes how fast compiled code runs, not what it computes. Set before jax starts.
-if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+# Compiling dominates the suite: the test processes and the scripts they start compile with
+# XLA's fast-compile flags (tests/xla_flags.py). Set before jax starts.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from xla_flags import with_fast_compile  # noqa: E402
+os.environ['XLA_FLAGS'] = with_fast_compile(os.environ.get('XLA_FLAGS', ''))
 
 import jax
 import jax.numpy as jnp

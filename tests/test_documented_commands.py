@@ -28,6 +28,8 @@ import uuid
 
 import pytest
 
+from xla_flags import with_fast_compile
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ('README.md', 'docs/SCALE.md', 'docs/RESULTS.md', 'docs/DESIGN.md')
 SHELL_FENCES = ('', 'bash', 'sh', 'shell', 'console')
@@ -421,6 +423,7 @@ def run_as_written(command: Command, scratch: str) -> tuple:
   # time for minutes and write into docs/results/.
   env = dict(os.environ, JAX_PLATFORMS='cpu', DSPEC_DOCUMENTED_COMMAND=marker,
              **dict(e.split('=', 1) for e in inv.env))
+  env['XLA_FLAGS'] = with_fast_compile(env.get('XLA_FLAGS', ''))   # a command's own, and ours
   proc = subprocess.Popen([*inv.cpus, *interpreter, inv.script, *args], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)

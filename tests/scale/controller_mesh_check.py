@@ -9,9 +9,10 @@ import json
 import os
 import sys
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=4'
-                           ' --xla_backend_optimization_level=0')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xla_flags import with_fast_compile  # noqa: E402
+os.environ['XLA_FLAGS'] = with_fast_compile(os.environ.get('XLA_FLAGS', '') +
+                                            ' --xla_force_host_platform_device_count=4')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))

@@ -4,7 +4,7 @@ Run by `test_sharding.py` in subprocesses (XLA_FLAGS must be set before jax star
 two parts run side by side, each with one jax start-up:
   python tests/scale/mesh_checks.py --part=decode
   python tests/scale/mesh_checks.py --part=rest [--golden=PATH]   # PATH: write the specs
-Compilation dominates, so XLA's backend optimisation is off (same flags for every mesh).
+Compilation dominates: XLA's fast-compile flags (tests/xla_flags.py), the same for every mesh.
 """
 
 import functools
@@ -14,9 +14,10 @@ import sys
 import tempfile
 import time
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8'
-                           ' --xla_backend_optimization_level=0')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xla_flags import with_fast_compile  # noqa: E402
+os.environ['XLA_FLAGS'] = with_fast_compile(os.environ.get('XLA_FLAGS', '') +
+                                            ' --xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from xla_flags import with_fast_compile
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
@@ -45,11 +47,9 @@ def _run(argv, timeout, env=None):
 
 
 def _cpu_env(devices):
-  # Compiling dominates: XLA's backend optimisation off (the same for 1 and 2 processes).
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-                       '--xla_backend_optimization_level=0')
-  return env
+  # Compiling dominates: XLA's fast-compile flags (the same for 1 and 2 processes).
+  return dict(os.environ, JAX_PLATFORMS='cpu',
+              XLA_FLAGS=with_fast_compile(f'--xla_force_host_platform_device_count={devices}'))
 
 
 @pytest.fixture(scope='module')

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from xla_flags import with_fast_compile
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, 'tests', 'scale', 'train_with_step_delay.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
@@ -22,8 +24,7 @@ STEPS, CKPT_EVERY = 12, 4
 
 def _env(devices):
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-                        '--xla_backend_optimization_level=0')
+              XLA_FLAGS=with_fast_compile(f'--xla_force_host_platform_device_count={devices}'))
 
 
 def _losses(workdir):
