@@ -27,11 +27,11 @@ DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
 # Every drafter family, auto verification (controller decisions broadcast), sampled runs,
 # token trees (tree, auto_tree).
-# Compiling dominates: one run per drafter (MTP under auto and auto_tree; the DFlash
-# backbone greedy with DFlash-2's selector and sampled with DSpark's heads), the controller
-# on two tiers (AR and num_draft), suffix on verify widths 1, 2 and 4.
-RUNS = ('mtp:auto:0,ngram:fixed:0,eagle3:fixed:1,dflash2:fixed:0,dspark:fixed:1,'
-        'suffix:fixed:0,ngram:tree:0,mtp:auto_tree:0')
+# Compiling dominates: one run per drafter (MTP under auto and auto_tree, n-gram under tree;
+# the DFlash backbone greedy with DFlash-2's selector and sampled with DSpark's heads), the
+# controller on two tiers (AR and num_draft), suffix on verify widths 1, 2 and 4.
+RUNS = ('mtp:auto:0,eagle3:fixed:1,dflash2:fixed:0,dspark:fixed:1,suffix:fixed:0,'
+        'ngram:tree:0,mtp:auto_tree:0')
 AR = 'none:fixed:0'
 SINGLE_RUNS = ','.join([AR] + [r for r in RUNS.split(',') if not r.endswith(':0')])
 # The demo target itself (`small`, not the widened main job): compiling stays what dominates.

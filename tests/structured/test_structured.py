@@ -5,7 +5,7 @@ temperature / top-k / top-p, renormalised at every step. (1) At T = 0 every draf
 output equals constrained AR's token for token, on the demo target under a regex and a JSON
 schema, in a ragged batch with an unconstrained row, and AR itself is the masked argmax.
 (2) At T > 0 the joint law of the first 2, 3 and 4 tokens equals the constrained target's
-exact law (enumerated with llguidance's own masks), chi-square over thousands of rows, with
+exact law (enumerated with llguidance's own masks), chi-square over 2000 rows per adversary, with
 adversarial drafters: drafts always outside the grammar, a q concentrated on disallowed
 tokens (with random draft counts, so forced tokens are appended past the drafter's own),
 drafts that are mostly valid, and token trees whose siblings are all invalid or mixed;
@@ -221,7 +221,7 @@ SMALL_MERGES = [('Ġ', 'i'), ('i', 's'), ('Ġi', 's'), ('Ġ', 'w'), ('a', 's'), 
 CHI_REGEX = r'[ab]( is| was)[0-2]c?'
 CHI_PROMPT = 'Q: '
 CHI_TOKENS = 4      # every generated token: the joint of 4, and of the first 2 and 3
-CHI_ROWS = 3000
+CHI_ROWS = 2000
 
 
 def _byte_chars() -> dict:
