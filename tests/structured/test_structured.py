@@ -5,11 +5,11 @@ temperature / top-k / top-p, renormalised at every step. (1) At T = 0 every draf
 output equals constrained AR's token for token, on the demo target under a regex and a JSON
 schema, in a ragged batch with an unconstrained row, and AR itself is the masked argmax.
 (2) At T > 0 the joint law of the first 2, 3 and 4 tokens equals the constrained target's
-exact law (enumerated with llguidance's own masks), chi-square over 2000 rows per adversary, with
-adversarial drafters: drafts always outside the grammar, a q concentrated on disallowed
-tokens (with random draft counts, so forced tokens are appended past the drafter's own),
-drafts that are mostly valid, and token trees whose siblings are all invalid or mixed;
-forced drafts on and off. Trees at T = 0: every tree drafter equals constrained AR. The small target there has a
+exact law (enumerated with llguidance's own masks), chi-square over 2000 rows per
+adversary: drafts always outside the grammar, a q concentrated on disallowed tokens (with
+random draft counts, so forced tokens are appended past the drafter's own), drafts that are
+mostly valid, and token trees whose siblings are all invalid or mixed; forced drafts on and
+off. Trees at T = 0: every tree drafter equals constrained AR. The small target there has a
 28-token tokenizer of its own, so the joint has a few dozen cells. (3) Bad constraints are
 one ValueError before anything compiles. (4) The decode CLI.
 """
