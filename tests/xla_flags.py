@@ -31,3 +31,10 @@ def with_fast_compile(xla_flags: str = '') -> str:
   names = {f.split('=', 1)[0] for f in xla_flags.split()}
   extra = [f for f in fast_compile_flags().split() if f.split('=', 1)[0] not in names]
   return ' '.join(xla_flags.split() + extra)
+
+
+def cpu_env(devices: int, **env) -> dict:
+  """The environment of a JAX process a test starts on `devices` simulated CPU devices,
+  with the fast-compile flags (and `env`'s variables)."""
+  return dict(os.environ, JAX_PLATFORMS='cpu', **env, XLA_FLAGS=with_fast_compile(
+      f'--xla_force_host_platform_device_count={devices}'))

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from xla_flags import with_fast_compile
+from xla_flags import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = os.path.join(REPO, 'tests', 'scale', 'multiprocess_decode.py')
@@ -46,12 +46,6 @@ def _run(argv, timeout, env=None):
                         env=env, stdin=subprocess.DEVNULL)
 
 
-def _cpu_env(devices):
-  # Compiling dominates: XLA's fast-compile flags (the same for 1 and 2 processes).
-  return dict(os.environ, JAX_PLATFORMS='cpu',
-              XLA_FLAGS=with_fast_compile(f'--xla_force_host_platform_device_count={devices}'))
-
-
 @pytest.fixture(scope='module')
 def single_and_multi(tmp_path_factory):
   """One process on 4 devices and 2 processes x 2 devices, side by side."""
@@ -60,12 +54,12 @@ def single_and_multi(tmp_path_factory):
   mesh = '--config.mesh=data=2,tensor=2'
   single = subprocess.Popen([sys.executable, DECODE, *COMMON, f'--runs={SINGLE_RUNS}', mesh,
                              f'--out={one}'],
-                            cwd=REPO, env=_cpu_env(4), stdout=subprocess.PIPE,
+                            cwd=REPO, env=cpu_env(4), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
   multi = _run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '2',
                 '--timeout', '500', '--', DECODE, *COMMON, f'--runs={RUNS}', mesh,
                 f'--out={two}'], 520,
-               _cpu_env(2))
+               cpu_env(2))
   out, err = single.communicate(timeout=520)
   assert single.returncode == 0, err[-3000:]
   assert multi.returncode == 0, multi.stderr[-3000:]
@@ -141,7 +135,7 @@ def test_failure_modes_are_one_line_each():
             '--compilation_cache_dir=', '--distributed_timeout=4']
   # Process 1 of 2 with nobody at the coordinator's address.
   proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
-               '--num_processes=2', '--process_id=1'], 60, _cpu_env(1))
+               '--num_processes=2', '--process_id=1'], 60, cpu_env(1))
   assert proc.returncode != 0
   assert _error_lines(proc.stderr) and 'cannot reach the coordinator' in proc.stderr
   assert 'Traceback' not in proc.stderr
@@ -149,9 +143,9 @@ def test_failure_modes_are_one_line_each():
   port = free_port()
   argv = lambda n, i: [sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
                        f'--num_processes={n}', f'--process_id={i}']
-  procs = [subprocess.Popen(argv(2, 0), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+  procs = [subprocess.Popen(argv(2, 0), cwd=REPO, env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL),
-           subprocess.Popen(argv(3, 1), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+           subprocess.Popen(argv(3, 1), cwd=REPO, env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)]
   try:
     outs = [p.communicate(timeout=90) for p in procs]
@@ -166,7 +160,7 @@ def test_failure_modes_are_one_line_each():
   # runtime's own timeout was a native abort, SIGABRT).
   port = free_port()
   proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
-               '--num_processes=2', '--process_id=0'], 90, _cpu_env(1))
+               '--num_processes=2', '--process_id=0'], 90, cpu_env(1))
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert len(_error_lines(proc.stderr)) == 1 and 'not every process joined' in proc.stderr
   # Process 0's port held by another program; process 1 at an address where something
@@ -177,16 +171,16 @@ def test_failure_modes_are_one_line_each():
     held = f'--coordinator=127.0.0.1:{other_server.getsockname()[1]}'
     for process_id, expected in (('0', 'is in use'), ('1', 'not every process joined')):
       proc = _run([sys.executable, *common, held, '--num_processes=2',
-                   f'--process_id={process_id}'], 90, _cpu_env(1))
+                   f'--process_id={process_id}'], 90, cpu_env(1))
       assert proc.returncode == 1, proc.stderr[-2000:]
       errors = _error_lines(proc.stderr)
       assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
   # Bad flags: one line before anything starts.
   proc = _run([sys.executable, *common, '--coordinator=127.0.0.1', '--num_processes=2',
-               '--process_id=0'], 60, _cpu_env(1))
+               '--process_id=0'], 60, cpu_env(1))
   assert proc.returncode != 0 and 'host:port' in proc.stderr
   proc = _run([sys.executable, *common, f'--coordinator=127.0.0.1:{port}',
-               '--num_processes=2'], 60, _cpu_env(1))
+               '--num_processes=2'], 60, cpu_env(1))
   assert proc.returncode != 0 and '--process_id' in proc.stderr
 
 
@@ -208,7 +202,7 @@ def test_a_dead_peer_ends_the_run_in_one_line(tmp_path):
                     '--config.mesh=data=2', f'--coordinator=127.0.0.1:{port}',
                     '--num_processes=2', f'--process_id={i}']
   logs = [open(tmp_path / f'p{i}.err', 'w+') for i in range(2)]   # pipes would fill up
-  procs = [subprocess.Popen(argv(i), cwd=REPO, env=_cpu_env(1), stdout=subprocess.PIPE,
+  procs = [subprocess.Popen(argv(i), cwd=REPO, env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=logs[i], text=True, stdin=subprocess.DEVNULL,
                             start_new_session=True) for i in range(2)]
   try:

@@ -14,17 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from xla_flags import with_fast_compile
+from xla_flags import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, 'tests', 'scale', 'train_with_step_delay.py')
 LAUNCH = os.path.join(REPO, 'scripts', 'launch_local.py')
 STEPS, CKPT_EVERY = 12, 4
-
-
-def _env(devices):
-  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-              XLA_FLAGS=with_fast_compile(f'--xla_force_host_platform_device_count={devices}'))
 
 
 def _losses(workdir):
@@ -61,8 +56,8 @@ def single_and_multi(data, tmp_path_factory):
   tmp = tmp_path_factory.mktemp('runs')
   single = subprocess.Popen(
       [sys.executable, TRAIN, *_args(data, tmp / 'one'), '--config.training.mesh=data=2'],
-      cwd=REPO, env=_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-      stdin=subprocess.DEVNULL)
+      cwd=REPO, env=cpu_env(2, PYTHONUNBUFFERED='1'), stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
   multi = subprocess.run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '1',
                           '--timeout', '240', '--', TRAIN, *_args(data, tmp / 'two')],
                          cwd=REPO, capture_output=True, text=True, timeout=260,
@@ -122,8 +117,8 @@ def test_a_killed_process_resumes_from_the_shared_checkpoint(data, single_and_mu
                            *_args(data, workdir), f'--coordinator=127.0.0.1:{port}',
                            '--num_processes=2', f'--process_id={i}']
   errs = [open(tmp_path / f'p{i}.err', 'w+') for i in range(2)]   # pipes could fill up
-  procs = [subprocess.Popen(argv(i, 0.5), cwd=REPO, env=_env(1), stdout=subprocess.DEVNULL,
-                            stderr=errs[i], stdin=subprocess.DEVNULL,
+  procs = [subprocess.Popen(argv(i, 0.5), cwd=REPO, env=cpu_env(1, PYTHONUNBUFFERED='1'),
+                            stdout=subprocess.DEVNULL, stderr=errs[i], stdin=subprocess.DEVNULL,
                             start_new_session=True) for i in range(2)]
   try:
     deadline = time.monotonic() + 180
@@ -166,8 +161,8 @@ def test_two_processes_distill_as_one(tmp_path):
   argv = [os.path.join(REPO, 'scripts', 'distill.py'), '--config=configs/distill_demo.py:tiny',
           '--compilation_cache_dir=']
   single = subprocess.Popen([sys.executable, *argv, f'--out_dir={tmp_path / "one"}'], cwd=REPO,
-                            env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
+                            env=cpu_env(1, PYTHONUNBUFFERED='1'), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
   multi = subprocess.run([sys.executable, LAUNCH, '-n', '2', '--devices_per_process', '1',
                           '--timeout', '240', '--', *argv, f'--out_dir={tmp_path / "two"}'],
                          cwd=REPO, capture_output=True, text=True, timeout=260,
